@@ -1,0 +1,177 @@
+"""
+Compare training runs from their metrics.jsonl logs.
+
+    python compare.py out-a out-b [out-c ...] [--out compare.png]
+
+Plots train and val loss against iteration, one curve per run, and prints a
+table: final losses, the largest loss gap to the first run (over iterations both
+logged), median tokens/s and peak memory. The overall max gap between any two
+runs is printed last: for runs that should be numerically equivalent (e.g. two
+parallelism backends from the same seed) it should be ~0.
+"""
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+
+TRAIN_KEYS = ("iter", "loss")
+EVAL_KEYS = ("iter", "val_loss")
+
+
+def load_metrics(path):
+    """Read a run dir (or a metrics.jsonl path) -> (train_rows, eval_rows), each sorted by iter.
+
+    Lines that are not JSON objects or lack the needed keys (e.g. {"event": ...}) are skipped.
+    """
+    if os.path.isdir(path):
+        path = os.path.join(path, "metrics.jsonl")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"no metrics.jsonl at {path}")
+    train, evals = [], []
+    with open(path) as f:
+        for line in f:
+            try:
+                row = json.loads(line)
+            except ValueError:
+                continue  # blank or half-written last line of a live run
+            if not isinstance(row, dict):
+                continue
+            if all(row.get(k) is not None for k in TRAIN_KEYS):
+                train.append(row)
+            elif all(row.get(k) is not None for k in EVAL_KEYS):
+                evals.append(row)
+    train.sort(key=lambda r: r["iter"])
+    evals.sort(key=lambda r: r["iter"])
+    return train, evals
+
+
+def _by_iter(rows, key):
+    # a resumed run may log an iter twice; the later line wins
+    return {r["iter"]: float(r[key]) for r in rows if r.get(key) is not None}
+
+
+def max_loss_diff(rows_a, rows_b, key="loss"):
+    """Largest |a - b| over iterations present in both; None if they share none."""
+    a, b = _by_iter(rows_a, key), _by_iter(rows_b, key)
+    common = sorted(set(a) & set(b))
+    if not common:
+        return None
+    diffs = [abs(a[i] - b[i]) for i in common]
+    # a NaN anywhere means the runs diverged; don't let max() silently drop it
+    return math.nan if any(math.isnan(d) for d in diffs) else max(diffs)
+
+
+def summarize(runs):
+    """runs: list of (name, train_rows, eval_rows); the first is the reference. -> list of dicts."""
+    ref_train = runs[0][1] if runs else []
+    out = []
+    for name, train, evals in runs:
+        tps = [r["tokens_per_sec"] for r in train if r.get("tokens_per_sec") is not None]
+        mem = [r["peak_mem_mb"] for r in train if r.get("peak_mem_mb") is not None]
+        out.append({
+            "run": name,
+            "final_train_loss": train[-1]["loss"] if train else None,
+            "final_val_loss": evals[-1]["val_loss"] if evals else None,
+            "max_diff_vs_first": max_loss_diff(ref_train, train),
+            "median_tokens_per_sec": statistics.median(tps) if tps else None,
+            "peak_mem_mb": max(mem) if mem else None,
+        })
+    return out
+
+
+def overall_max_diff(runs):
+    """Largest train-loss gap between any pair of runs -> (diff, name_a, name_b), or (None, None, None)."""
+    best = (None, None, None)
+    for i in range(len(runs)):
+        for j in range(i + 1, len(runs)):
+            d = max_loss_diff(runs[i][1], runs[j][1])
+            if d is None:
+                continue
+            if best[0] is None or math.isnan(d) or (not math.isnan(best[0]) and d > best[0]):
+                best = (d, runs[i][0], runs[j][0])
+    return best
+
+
+def format_table(summary):
+    cols = [("run", "run", "{}"),
+            ("final_train_loss", "train loss", "{:.4f}"),
+            ("final_val_loss", "val loss", "{:.4f}"),
+            ("max_diff_vs_first", "max |dloss| vs first", "{:.6g}"),
+            ("median_tokens_per_sec", "median tok/s", "{:,.0f}"),
+            ("peak_mem_mb", "peak mem MB", "{:,.1f}")]
+    rows = [[h for _, h, _ in cols]]
+    for s in summary:
+        rows.append(["-" if s[k] is None else fmt.format(s[k]) for k, _, fmt in cols])
+    widths = [max(len(r[c]) for r in rows) for c in range(len(cols))]
+    lines = []
+    for n, r in enumerate(rows):
+        # run names left-aligned, numbers right-aligned
+        cells = [r[0].ljust(widths[0])] + [v.rjust(w) for v, w in zip(r[1:], widths[1:])]
+        lines.append("  ".join(cells))
+        if n == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def plot(runs, out_path):
+    import matplotlib
+    matplotlib.use("Agg")  # headless: no display on training machines
+    import matplotlib.pyplot as plt
+
+    fig, (ax_t, ax_v) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for name, train, evals in runs:
+        if train:
+            ax_t.plot([r["iter"] for r in train], [r["loss"] for r in train], label=name, linewidth=1)
+        if evals:
+            ax_v.plot([r["iter"] for r in evals], [r["val_loss"] for r in evals], label=name, marker="o", markersize=3)
+    for ax, title in ((ax_t, "train loss"), (ax_v, "val loss")):
+        ax.set_title(title)
+        ax.set_xlabel("iter")
+        ax.set_ylabel("loss")
+        ax.grid(alpha=0.3)
+        if ax.has_data():
+            ax.legend()
+    fig.tight_layout()
+    fig.savefig(out_path, dpi=120)
+    plt.close(fig)
+
+
+def run_names(dirs):
+    # label by dir name; fall back to the path as given when two dirs share a name
+    names = [os.path.basename(os.path.normpath(d)) for d in dirs]
+    return [n if names.count(n) == 1 else d for n, d in zip(names, dirs)]
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
+    ap.add_argument("out_dirs", nargs="+", help="run directories holding metrics.jsonl")
+    ap.add_argument("--out", default="compare.png", help="where to write the plot")
+    args = ap.parse_args(argv)
+
+    runs = []
+    for d, name in zip(args.out_dirs, run_names(args.out_dirs)):
+        try:
+            train, evals = load_metrics(d)
+        except FileNotFoundError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 1
+        runs.append((name, train, evals))
+
+    print(format_table(summarize(runs)))
+    diff, a, b = overall_max_diff(runs)
+    if len(runs) < 2:
+        print("max loss difference between runs: - (only one run)")
+    elif diff is None:
+        print("max loss difference between runs: - (no common iters)")
+    else:
+        print(f"max loss difference between runs: {diff:.6g} ({a} vs {b})")
+
+    plot(runs, args.out)
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

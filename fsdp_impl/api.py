@@ -1,0 +1,167 @@
+"""
+The user-facing API, named like FSDP2's so code written for one runs on the other:
+
+    for block in model.transformer.h:
+        fully_shard(block)
+    fully_shard(model)            # the root: what no nested call took (embeddings, ln_f, lm_head)
+
+fully_shard() turns the module's parameters into sharded DTensors, swaps the module's class
+for one that also derives from FSDPModule (unshard, reshard, set_requires_gradient_sync, ...),
+and registers thin forward hooks that call into the module's ShardedUnit.
+"""
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.utils._pytree import tree_leaves, tree_map_only
+
+from .schedule import Schedule
+from .unit import ShardedUnit
+
+
+@dataclass(frozen=True)
+class MixedPrecisionPolicy:
+    param_dtype: torch.dtype = None  # all-gather and compute in this dtype (None: the params' own)
+    reduce_dtype: torch.dtype = None  # reduce-scatter gradients in this dtype (None: param_dtype)
+    output_dtype: torch.dtype = None  # cast floating-point outputs of the module's forward
+    cast_forward_inputs: bool = True  # cast floating-point inputs to param_dtype
+
+
+@dataclass(frozen=True)
+class OffloadPolicy:
+    """Keep sharded parameters, gradients (and so optimizer state) in pinned CPU memory."""
+    pin_memory: bool = True
+
+
+_default_mesh = None
+
+
+def _mesh_for(mesh):
+    global _default_mesh
+    if mesh is not None:
+        return mesh
+    if _default_mesh is None:
+        device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
+        _default_mesh = init_device_mesh(device_type, (dist.get_world_size(),))
+    return _default_mesh
+
+
+def fully_shard(module, *, mesh=None, reshard_after_forward=None, mp_policy=MixedPrecisionPolicy(),
+                offload_policy=None):
+    """Shard `module`'s parameters (those no nested fully_shard took) over `mesh`'s last dim.
+
+    reshard_after_forward: True frees the gathered parameters after forward (ZeRO-3), False keeps
+    them until after backward (ZeRO-2); None means True, except for the root, which keeps them.
+    A 2-D mesh (replicate, shard) gives HSDP.
+    """
+    mesh = _mesh_for(mesh)
+    if offload_policy is not None and mesh.device_type != "cuda":
+        raise ValueError("offload_policy needs CUDA: on a CPU run parameters already live in CPU memory")
+    unit = ShardedUnit(module, mesh, reshard_after_forward, mp_policy, offload_policy)
+    module._fsdp_unit = unit
+    module.register_forward_pre_hook(_pre_forward, with_kwargs=True)
+    module.register_forward_hook(_post_forward)
+    # state_dict() and load_state_dict() work on the sharded DTensors
+    module.register_state_dict_pre_hook(lambda *_: unit.reshard())
+    module._register_load_state_dict_pre_hook(lambda *_: unit.reshard())
+    cls = module.__class__
+    module.__class__ = _fsdp_classes.setdefault(cls, type(f"FSDP{cls.__name__}", (FSDPModule, cls), {}))
+    return module
+
+
+_fsdp_classes = {}
+
+
+def _lazy_init(root_module):
+    """The first unit to run forward is the root: it gathers every unit below into one schedule."""
+    units = [m._fsdp_unit for m in root_module.modules() if hasattr(m, "_fsdp_unit")]
+    schedule = Schedule(units)
+    for unit in units:
+        unit.lazy_init(schedule, is_root=unit.module is root_module)
+
+
+def _cast(tree, dtype):
+    return tree_map_only(torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t, tree)
+
+
+def _pre_forward(module, args, kwargs):
+    unit = module._fsdp_unit
+    if unit.schedule is None:
+        _lazy_init(module)
+    unit.pre_forward()
+    if unit.mp.param_dtype is not None and unit.mp.cast_forward_inputs:
+        args, kwargs = _cast((args, kwargs), unit.mp.param_dtype)
+    return args, kwargs
+
+
+def _post_forward(module, args, output):
+    unit = module._fsdp_unit
+    grad_enabled = torch.is_grad_enabled()
+    unit.post_forward(grad_enabled)
+    if unit.mp.output_dtype is not None:
+        output = _cast(output, unit.mp.output_dtype)
+    if grad_enabled:
+        for t in tree_leaves(output):
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                t.register_hook(_pre_backward_hook(unit))
+    return output
+
+
+def _pre_backward_hook(unit):
+    def hook(grad):
+        unit.pre_backward()
+        return grad
+    return hook
+
+
+class FSDPModule:
+    """Methods every fully_shard-ed module gains. Setters apply to all units below by default."""
+
+    def _units(self, recurse=True):
+        mods = self.modules() if recurse else [self]
+        return [m._fsdp_unit for m in mods if hasattr(m, "_fsdp_unit")]
+
+    def unshard(self, async_op=False):
+        unit = self._fsdp_unit
+        if unit.schedule is None:
+            _lazy_init(self)
+        unit.unshard()
+        if not async_op:
+            unit.wait_unshard()
+            return None
+        return _UnshardHandle(unit)
+
+    def reshard(self):
+        self._fsdp_unit.reshard()
+
+    def set_requires_gradient_sync(self, requires_gradient_sync, *, recurse=True):
+        for unit in self._units(recurse):
+            unit.requires_grad_sync = requires_gradient_sync
+
+    def set_reshard_after_backward(self, reshard_after_backward, *, recurse=True):
+        for unit in self._units(recurse):
+            unit.reshard_after_backward = reshard_after_backward
+
+    def set_reshard_after_forward(self, reshard_after_forward, *, recurse=True):
+        for unit in self._units(recurse):
+            unit.reshard_after_forward = reshard_after_forward
+
+    def set_requires_all_reduce(self, requires_all_reduce, *, recurse=True):
+        for unit in self._units(recurse):
+            unit.requires_all_reduce = requires_all_reduce
+
+    def set_modules_to_forward_prefetch(self, modules):
+        self._fsdp_unit.forward_prefetch = [m._fsdp_unit for m in modules]
+
+    def set_modules_to_backward_prefetch(self, modules):
+        self._fsdp_unit.backward_prefetch = [m._fsdp_unit for m in modules]
+
+
+class _UnshardHandle:
+    def __init__(self, unit):
+        self.unit = unit
+
+    def wait(self):
+        self.unit.wait_unshard()

@@ -1,0 +1,67 @@
+"""
+The collectives, in one place, and the ledger that tests and bench.py read.
+
+Every collective is issued asynchronously (`async_op=True`) and returns a work handle; the
+caller decides when to wait. On CUDA the handle's wait() makes the current stream wait on
+NCCL's stream (no host block), on gloo it blocks the host until the transfer is done, so on
+both the communication runs while the caller computes, until the wait.
+
+`ledger` counts collectives and bytes and, when `ledger.events` is a list, logs the order of
+events (all-gather issued / waited, forward / backward of a unit, reduce-scatter issued /
+waited, free). Logging costs one `if` per event when off.
+"""
+from contextlib import nullcontext
+
+import torch
+import torch.distributed as dist
+from torch.autograd.profiler import record_function
+
+
+class Ledger:
+    def __init__(self):
+        self.reset()
+
+    def reset(self, record_events=False):
+        self.counts = {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 0}
+        self.bytes = {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 0}
+        self.events = [] if record_events else None
+
+    def log(self, event, unit):
+        if self.events is not None:
+            self.events.append((event, unit))
+
+    def count(self, kind, nbytes):
+        self.counts[kind] += 1
+        self.bytes[kind] += nbytes
+
+
+ledger = Ledger()
+
+
+def profiled(name):
+    """A named range in profiler traces (free when no profiler is running)."""
+    return record_function(name) if torch.autograd.profiler._is_profiler_enabled else nullcontext()
+
+
+def all_gather(output, shard, group):
+    """Gather every rank's equal-sized `shard` into `output` (rank-major). Returns a handle."""
+    ledger.count("all_gather", output.numel() * output.element_size())
+    return dist.all_gather_single(output, shard, group=group, async_op=True)
+
+
+def reduce_scatter(output, input, group):
+    """Average `input` (rank-major chunks) over the group; this rank's chunk lands in `output`.
+
+    With one rank there is nothing to reduce: a copy, as FSDP2 does.
+    """
+    ledger.count("reduce_scatter", input.numel() * input.element_size())
+    if group.size() == 1:
+        output.copy_(input)
+        return None
+    return dist.reduce_scatter_single(output, input, op=dist.ReduceOp.AVG, group=group, async_op=True)
+
+
+def all_reduce_mean(tensor, group):
+    """Average `tensor` in place across the group (HSDP: across replicas)."""
+    ledger.count("all_reduce", tensor.numel() * tensor.element_size())
+    return dist.all_reduce(tensor, op=dist.ReduceOp.AVG, group=group, async_op=True)

@@ -1,0 +1,68 @@
+"""
+Schedule: the root's view of a training step, shared by all units under one root.
+
+- The order in which units run is recorded during the first forward (pre-forward order for
+  forward prefetch; post-forward order, reversed, is the backward order).
+- Prefetch: when a unit starts its forward, the next unit's all-gather is issued, so it runs
+  while this unit computes; in backward, the unit that runs backward next is gathered likewise.
+  Explicit lists set with set_modules_to_{forward,backward}_prefetch override the recorded order.
+- At most one reduce-scatter is in flight: a unit finishes the previous one before issuing its
+  own, so it overlaps exactly one unit's backward and unsharded grads never pile up.
+- An autograd callback at the end of backward runs the post-backward of units whose hooks did
+  not fire (parameters unused in this step) and waits for every pending reduction, so the
+  sharded .grads are complete when backward() returns.
+"""
+from torch.autograd import Variable
+
+
+class Schedule:
+    def __init__(self, units):
+        self.units = units
+        self.pre_forward_order, self.post_forward_order = [], []
+        self.recording = True
+        self.next_forward, self.next_backward = {}, {}
+        self.pending_reductions = []
+        self.end_of_backward_queued = False
+
+    def record_pre_forward(self, unit):
+        if self.recording and unit not in self.pre_forward_order:
+            self.pre_forward_order.append(unit)
+
+    def record_post_forward(self, unit):
+        if not self.recording or unit in self.post_forward_order:
+            return
+        self.post_forward_order.append(unit)
+        if len(self.post_forward_order) == len(self.pre_forward_order):  # the root's forward ended
+            self.recording = False
+            fwd, bwd = self.pre_forward_order, self.post_forward_order[::-1]
+            self.next_forward = dict(zip(fwd, fwd[1:]))
+            self.next_backward = dict(zip(bwd, bwd[1:]))
+
+    def forward_prefetch(self, unit):
+        if unit.forward_prefetch is not None:
+            return unit.forward_prefetch
+        return [self.next_forward[unit]] if unit in self.next_forward else []
+
+    def backward_prefetch(self, unit):
+        if unit.backward_prefetch is not None:
+            return unit.backward_prefetch
+        if self.recording:  # first step: the forward we are in the backward of finished recording
+            return []
+        return [self.next_backward[unit]] if unit in self.next_backward else []
+
+    def queue_end_of_backward(self):
+        if not self.end_of_backward_queued:
+            self.end_of_backward_queued = True
+            Variable._execution_engine.queue_callback(self.end_of_backward)
+
+    def finish_reductions(self):
+        while self.pending_reductions:
+            self.pending_reductions.pop(0).finish_reduction()
+
+    def end_of_backward(self):
+        for unit in self.units:
+            unit.post_backward()  # no-op for units whose grads all arrived
+        self.finish_reductions()
+        for unit in self.units:
+            unit.training_state = "idle"
+        self.end_of_backward_queued = False

@@ -1,0 +1,343 @@
+"""
+ShardedUnit: the parameters of one fully_shard() call, which always communicate together.
+
+Memory layout (W ranks in the shard group, rank r):
+
+    flat_shard   [S]        this rank's piece of every parameter, each padded to ceil(dim0/W)
+                            rows, back to back. Sharded parameters (DTensor, Shard(0)) are views
+                            into it, so the optimizer updates it in place and it is the all-gather
+                            input with no copy (in fp32; one cast with mixed precision).
+    all-gather   [W, S]     rank-major, as the collective writes it; copied out once into
+    flat_full    [W * S]    parameter-major: parameter i's full (padded) tensor is contiguous, and
+                            the unsharded parameters used by forward/backward are views into it.
+                            Its storage is resized to 0 when the unit reshards (the views stay valid
+                            and come back to life when the storage is refilled).
+
+Gradients go the other way: unsharded grads -> [W, S] (torch._chunk_cat pads each to the row
+layout above) -> one reduce-scatter (AVG) -> [S], whose pieces become the sharded DTensor .grads.
+The layout is exactly FSDP2's, so with the same collective the numbers are the same bits.
+
+State machine: SHARDED -> GATHERING (all-gather in flight) -> UNSHARDED -> SHARDED.
+"""
+import math
+
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from . import comm
+from .comm import ledger, profiled
+
+SHARDED, GATHERING, UNSHARDED = "sharded", "gathering", "unsharded"
+
+
+def _set_param(module, name, param):
+    module._parameters[name] = param  # bypasses nn.Module.__setattr__ checks, on purpose
+
+
+class ParamShard:
+    """One managed parameter: where it is registered and where it lives in the flat buffers."""
+
+    def __init__(self, registrations, param, offset, world, rank):
+        self.registrations = registrations  # [(module, attribute name)], several when tied
+        self.shape = param.shape
+        self.requires_grad = param.requires_grad
+        self.row_numel = math.prod(self.shape[1:])
+        rows = math.ceil(self.shape[0] / world)  # torch.chunk's rows per rank (FSDP2's too)
+        self.padded_numel = rows * self.row_numel
+        self.local_shape = (max(0, min(rows, self.shape[0] - rank * rows)),) + tuple(self.shape[1:])
+        self.local_numel = math.prod(self.local_shape)
+        self.first_row = rank * rows
+        self.offset = offset  # in flat_shard; in flat_full it is offset * world
+        self.sharded = None  # nn.Parameter(DTensor), what the optimizer and state_dict see
+        self.unsharded = None  # nn.Parameter viewing flat_full, what forward and backward see
+        self.accumulated_grad = None  # reduce_dtype grad kept while gradient sync is off
+
+    def register(self, param):
+        for module, name in self.registrations:
+            _set_param(module, name, param)
+
+    def take_unsharded_grad(self):
+        grad = self.accumulated_grad if self.accumulated_grad is not None else self.unsharded.grad
+        self.accumulated_grad, self.unsharded.grad = None, None
+        return grad
+
+
+class ShardedUnit:
+    def __init__(self, module, mesh, reshard_after_forward, mp_policy, offload_policy):
+        self.module = module
+        self.name = type(module).__name__
+        self.mesh = mesh
+        self.shard_group = mesh.get_group(mesh.ndim - 1)
+        self.replicate_group = mesh.get_group(0) if mesh.ndim == 2 else None
+        self.placements = (Replicate(), Shard(0)) if mesh.ndim == 2 else (Shard(0),)
+        self.world = self.shard_group.size()
+        self.rank = mesh.get_local_rank(mesh.ndim - 1)
+        self.reshard_after_forward = reshard_after_forward  # None: decided at lazy init
+        self.mp = mp_policy
+        self.offload = offload_policy is not None
+        self.compute_device = (torch.device("cuda", torch.cuda.current_device())
+                               if mesh.device_type == "cuda" else torch.device("cpu"))
+        # knobs of the FSDPModule API
+        self.requires_grad_sync = True
+        self.reshard_after_backward = True
+        self.requires_all_reduce = True
+        self.forward_prefetch = None  # None: the next unit in forward order; [] switches it off
+        self.backward_prefetch = None
+        # per-step state
+        self.state = SHARDED
+        self.schedule = None
+        self.training_state = "idle"  # idle | forward | pre_backward
+        self.grads_to_come = 0
+        self.needs_post_backward = False
+        self._gather = None  # (work, output, input) while GATHERING
+        self._reduction = None  # (work, input, output, params) while a reduce-scatter is in flight
+        self._partial_reduction = None  # HSDP with all-reduce off: reduce-scattered, not yet averaged
+        self._shard(module)
+
+    # ---- construction --------------------------------------------------------------------
+    def _managed_params(self, module):
+        """Parameters under `module` not already owned by a nested unit, with every registration."""
+        found = {}
+        for sub in module.modules():
+            if sub is not module and hasattr(sub, "_fsdp_unit"):
+                continue
+            for name, p in sub._parameters.items():
+                if p is None or isinstance(p, DTensor):
+                    continue  # DTensor: already sharded by a nested fully_shard
+                found.setdefault(p, []).append((sub, name))
+        # a nested unit's subtree is skipped as a whole, so look inside it only to catch ties
+        for sub in module.modules():
+            if sub is not module and hasattr(sub, "_fsdp_unit"):
+                for p in sub._fsdp_unit.module.parameters():
+                    if p in found:
+                        raise ValueError(f"a parameter of {self.name} is tied to one inside a nested "
+                                         "fully_shard unit: keep tied modules in the same unit")
+        return found
+
+    def _shard(self, module):
+        found = self._managed_params(module)
+        dtypes = {p.dtype for p in found}
+        if len(dtypes) > 1:
+            raise ValueError(f"fully_shard({self.name}): parameters of one unit must share a dtype, got {dtypes}")
+        self.params, offset = [], 0
+        for p, regs in found.items():
+            if p.dim() == 0:
+                raise ValueError(f"fully_shard({self.name}): 0-dim parameter {regs[0][1]} is not supported")
+            ps = ParamShard(regs, p, offset, self.world, self.rank)
+            offset += ps.padded_numel
+            self.params.append(ps)
+        self.shard_numel = offset
+        self.dtype = dtypes.pop() if dtypes else torch.float32
+        on_meta = any(p.is_meta for p in found)
+        device = torch.device("meta") if on_meta else (torch.device("cpu") if self.offload else self.compute_device)
+        self.flat_shard = torch.zeros(self.shard_numel, dtype=self.dtype, device=device)
+        if self.offload and not on_meta:
+            self.flat_shard = self.flat_shard.pin_memory()
+        for ps, p in zip(self.params, found):
+            if not on_meta:
+                rows = p.detach().reshape(ps.shape[0], -1)[ps.first_row:ps.first_row + ps.local_shape[0]]
+                self._local_view(ps).view(-1, max(ps.row_numel, 1)).copy_(rows)
+            ps.sharded = nn.Parameter(self._as_dtensor(self._local_view(ps), ps), requires_grad=ps.requires_grad)
+            ps.register(ps.sharded)
+        self.n_grad_params = sum(ps.requires_grad for ps in self.params)
+
+    def _local_view(self, ps, flat=None):
+        flat = self.flat_shard if flat is None else flat
+        return flat[ps.offset:ps.offset + ps.local_numel].view(ps.local_shape)
+
+    def _as_dtensor(self, local, ps):
+        stride = torch.empty(ps.shape, device="meta").stride()
+        return DTensor.from_local(local, self.mesh, self.placements, run_check=False,
+                                  shape=ps.shape, stride=stride)
+
+    def lazy_init(self, schedule, is_root):
+        """Called once by the root before the first forward, on the final device."""
+        self.schedule = schedule
+        if self.reshard_after_forward is None:
+            # the root's parameters would be gathered again at once for backward: keep them
+            self.reshard_after_forward = not is_root
+        self._adopt_materialized_params()
+        self.param_dtype = self.mp.param_dtype or self.dtype
+        self.reduce_dtype = self.mp.reduce_dtype or self.param_dtype
+        if self.reduce_dtype == torch.float16:
+            raise ValueError("reduce_dtype=float16 is not supported (overflow risk): use float32 or bfloat16")
+        self.flat_full = torch.empty(self.world * self.shard_numel, dtype=self.param_dtype,
+                                     device=self.compute_device)
+        for ps in self.params:
+            start = ps.offset * self.world
+            view = self.flat_full[start:start + math.prod(ps.shape)].view(ps.shape)
+            ps.unsharded = nn.Parameter(view, requires_grad=ps.requires_grad)
+            if ps.requires_grad:
+                ps.unsharded.register_post_accumulate_grad_hook(self._on_grad_ready)
+        self.flat_full.untyped_storage().resize_(0)
+
+    def _adopt_materialized_params(self):
+        """After module.to_empty(), parameters hold fresh tensors: copy them back into a flat shard."""
+        if not self.params or all(
+                ps.sharded.to_local().untyped_storage().data_ptr() == self.flat_shard.untyped_storage().data_ptr()
+                for ps in self.params):
+            return
+        device = self.params[0].sharded.device
+        flat = torch.zeros(self.shard_numel, dtype=self.dtype, device=device)
+        if self.offload:
+            flat = flat.pin_memory()
+        for ps in self.params:
+            local = self._local_view(ps, flat)
+            local.copy_(ps.sharded.to_local())
+            fresh = nn.Parameter(self._as_dtensor(local, ps), requires_grad=ps.requires_grad)
+            torch.utils.swap_tensors(ps.sharded, fresh)  # keeps the object the optimizer holds
+        self.flat_shard = flat
+
+    # ---- all-gather ----------------------------------------------------------------------
+    def unshard(self):
+        """Issue the all-gather (asynchronous); wait_unshard() makes the parameters usable."""
+        if self.state != SHARDED:
+            return
+        with profiled(f"fsdp::all_gather {self.name}"), torch.no_grad():
+            ledger.log("all_gather", self.name)
+            shard = self.flat_shard
+            if shard.dtype != self.param_dtype or shard.device != self.compute_device:
+                shard = shard.to(self.compute_device, self.param_dtype, non_blocking=True)
+            output = torch.empty(self.world * self.shard_numel, dtype=self.param_dtype, device=self.compute_device)
+            self._gather = (comm.all_gather(output, shard, self.shard_group), output, shard)
+        self.state = GATHERING
+
+    def wait_unshard(self):
+        if self.state == SHARDED:
+            self.unshard()
+        if self.state != GATHERING:
+            return
+        work, output, _ = self._gather
+        self._gather = None
+        with profiled(f"fsdp::all_gather_wait {self.name}"), torch.no_grad():
+            work.wait()
+            ledger.log("all_gather_wait", self.name)
+            storage = self.flat_full.untyped_storage()
+            storage.resize_(self.flat_full.numel() * self.flat_full.element_size())
+            # copying into the views bumps their version counter; autograd saved these same
+            # tensors in forward and must not see that as an in-place change
+            with torch.autograd._unsafe_preserve_version_counter(self.flat_full):
+                torch.split_with_sizes_copy(
+                    output.view(self.world, self.shard_numel), [ps.padded_numel for ps in self.params], dim=1,
+                    out=[self.flat_full[ps.offset * self.world:(ps.offset + ps.padded_numel) * self.world]
+                         .view(self.world, -1) for ps in self.params])
+        for ps in self.params:
+            ps.register(ps.unsharded)
+        self.state = UNSHARDED
+
+    def reshard(self):
+        """Free the unsharded parameters; the module holds its sharded DTensors again."""
+        if self.state == GATHERING:
+            self.wait_unshard()
+        if self.state != UNSHARDED:
+            return
+        for ps in self.params:
+            ps.register(ps.sharded)
+        self.flat_full.untyped_storage().resize_(0)
+        ledger.log("free", self.name)
+        self.state = SHARDED
+
+    # ---- hooks' bodies (called from api.py) ----------------------------------------------
+    def pre_forward(self):
+        if self.training_state == "pre_backward":
+            return  # activation checkpointing recomputes inside backward: already gathered
+        self.training_state = "forward"
+        self.schedule.record_pre_forward(self)
+        self.wait_unshard()
+        for unit in self.schedule.forward_prefetch(self):
+            unit.unshard()
+        ledger.log("forward", self.name)
+
+    def post_forward(self, grad_enabled):
+        if self.training_state == "pre_backward":
+            return
+        ledger.log("forward_end", self.name)
+        self.schedule.record_post_forward(self)
+        if self.reshard_after_forward:
+            self.reshard()
+        self.training_state = "idle"
+        if grad_enabled:
+            self.needs_post_backward = True
+            self.grads_to_come = self.n_grad_params
+
+    def pre_backward(self):
+        if self.training_state == "pre_backward":
+            return
+        self.training_state = "pre_backward"
+        self.schedule.queue_end_of_backward()
+        self.wait_unshard()
+        for unit in self.schedule.backward_prefetch(self):
+            unit.unshard()
+        ledger.log("backward", self.name)
+
+    def _on_grad_ready(self, param):
+        self.grads_to_come -= 1
+        if self.grads_to_come == 0:
+            self.post_backward()
+
+    @torch.no_grad()
+    def post_backward(self):
+        """All grads of this unit are in: reduce-scatter them (or keep accumulating), then reshard."""
+        if not self.needs_post_backward:
+            return
+        self.needs_post_backward = False
+        ledger.log("backward_end", self.name)
+        for ps in self.params:  # a previous micro-step kept an upcast grad: add this one to it
+            if ps.accumulated_grad is not None and ps.unsharded.grad is not None:
+                ps.accumulated_grad += ps.unsharded.grad
+                ps.unsharded.grad = None
+        if not self.requires_grad_sync:
+            if self.reshard_after_backward:
+                self.reshard()
+            for ps in self.params:  # hold the running sum in reduce_dtype (FSDP2 does the same)
+                if ps.unsharded.grad is not None and ps.unsharded.grad.dtype != self.reduce_dtype:
+                    ps.accumulated_grad = ps.unsharded.grad.to(self.reduce_dtype)
+                    ps.unsharded.grad = None
+            return
+        with_grad = [ps for ps in self.params if ps.unsharded.grad is not None or ps.accumulated_grad is not None]
+        grads = [ps.take_unsharded_grad() for ps in with_grad]
+        if self.reshard_after_backward:
+            self.reshard()
+        if grads:
+            self.schedule.finish_reductions()  # at most one reduce-scatter in flight
+            self._reduce_scatter(with_grad, grads)
+
+    def _reduce_scatter(self, params, grads):
+        with profiled(f"fsdp::reduce_scatter {self.name}"):
+            ledger.log("reduce_scatter", self.name)
+            numel = sum(ps.padded_numel for ps in params)
+            rs_input = torch.empty(self.world * numel, dtype=self.reduce_dtype, device=self.compute_device)
+            torch._chunk_cat(grads, dim=0, num_chunks=self.world, out=rs_input.view(self.world, -1))
+            grads.clear()  # the unsharded gradients are freed here
+            rs_output = torch.empty(numel, dtype=self.reduce_dtype, device=self.compute_device)
+            work = comm.reduce_scatter(rs_output, rs_input, self.shard_group)
+            self._reduction = (work, rs_input, rs_output, params)
+            self.schedule.pending_reductions.append(self)
+
+    @torch.no_grad()
+    def finish_reduction(self):
+        """Wait for this unit's reduce-scatter and accumulate the result into the sharded grads."""
+        work, _, output, params = self._reduction
+        self._reduction = None
+        with profiled(f"fsdp::reduce_scatter_wait {self.name}"):
+            if work is not None:
+                work.wait()
+            ledger.log("reduce_scatter_wait", self.name)
+            if self.replicate_group is not None:  # HSDP: then average across replicas
+                if self._partial_reduction is not None:
+                    output += self._partial_reduction
+                    self._partial_reduction = None
+                if not self.requires_all_reduce:  # keep the replica-local sum for later
+                    self._partial_reduction = output
+                    return
+                comm.all_reduce_mean(output, self.replicate_group).wait()
+            output = output.to(self.flat_shard.device, self.dtype)
+            offset = 0
+            for ps in params:
+                local = output[offset:offset + ps.local_numel].view(ps.local_shape)
+                offset += ps.padded_numel
+                if ps.sharded.grad is None:
+                    ps.sharded.grad = self._as_dtensor(local, ps)
+                else:
+                    ps.sharded.grad.to_local().add_(local)

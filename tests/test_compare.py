@@ -1,0 +1,76 @@
+"""compare.py on hand-written metrics.jsonl files with known loss gaps."""
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+import compare  # noqa: E402
+
+
+def write_run(d, train_losses, val_losses, tps, mem, extra_lines=()):
+    d.mkdir(parents=True)
+    with open(d / "metrics.jsonl", "w") as f:
+        f.write(json.dumps({"event": "start", "config": {"n_layer": 2}}) + "\n")
+        for i, loss in train_losses.items():
+            f.write(json.dumps({"iter": i, "loss": loss, "grad_norm": 1.0, "lr": 1e-3, "dt_ms": 10.0,
+                                "tokens_per_sec": tps[i], "mfu": 0.1, "peak_mem_mb": mem[i]}) + "\n")
+        for i, loss in val_losses.items():
+            f.write(json.dumps({"iter": i, "train_loss": loss + 0.01, "val_loss": loss}) + "\n")
+        for line in extra_lines:
+            f.write(line + "\n")
+
+
+def make_runs(tmp_path):
+    a, b = tmp_path / "run_a", tmp_path / "run_b"
+    write_run(a, {0: 4.0, 10: 3.5, 20: 3.0}, {0: 4.1, 20: 3.2},
+              tps={0: 100.0, 10: 300.0, 20: 200.0}, mem={0: 50.0, 10: 75.5, 20: 60.0})
+    # run_b differs by 0.25 at iter 10; iter 30 exists only in b and must not count
+    write_run(b, {0: 4.0, 10: 3.25, 20: 3.125, 30: 9.0}, {0: 4.1, 20: 3.3},
+              tps={0: 10.0, 10: 20.0, 20: 30.0, 30: 40.0}, mem={0: 1.0, 10: 2.0, 20: 3.0, 30: 2.5},
+              extra_lines=['{"event": "done"}', "", '{"iter": 5}', "not json", '{"iter": 40, "loss": 1.0'])
+    return a, b
+
+
+def test_load_and_summarize(tmp_path):
+    a, b = make_runs(tmp_path)
+    ta, ea = compare.load_metrics(a)
+    tb, eb = compare.load_metrics(b)
+    assert [r["iter"] for r in ta] == [0, 10, 20] and [r["iter"] for r in ea] == [0, 20]
+    assert [r["iter"] for r in tb] == [0, 10, 20, 30]
+
+    s = compare.summarize([("run_a", ta, ea), ("run_b", tb, eb)])
+    assert s[0]["max_diff_vs_first"] == 0.0
+    assert s[1]["max_diff_vs_first"] == 0.25
+    assert s[0]["final_train_loss"] == 3.0 and s[1]["final_train_loss"] == 9.0
+    assert s[0]["final_val_loss"] == 3.2 and s[1]["final_val_loss"] == 3.3
+    assert s[0]["median_tokens_per_sec"] == 200.0 and s[1]["median_tokens_per_sec"] == 25.0
+    assert s[0]["peak_mem_mb"] == 75.5 and s[1]["peak_mem_mb"] == 3.0
+
+
+def test_cli(tmp_path):
+    a, b = make_runs(tmp_path)
+    png = tmp_path / "cmp.png"
+    res = subprocess.run([sys.executable, str(REPO / "compare.py"), str(a), str(b), "--out", str(png)],
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert png.exists() and png.stat().st_size > 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "run_a" in res.stdout and "run_b" in res.stdout
+    m = re.search(r"max loss difference between runs: (\S+)", res.stdout)
+    assert m, res.stdout
+    assert float(m.group(1)) == 0.25
+
+
+def test_missing_metrics_exits_1(tmp_path):
+    a, _ = make_runs(tmp_path)
+    empty = tmp_path / "no_metrics"
+    empty.mkdir()
+    res = subprocess.run([sys.executable, str(REPO / "compare.py"), str(a), str(empty),
+                          "--out", str(tmp_path / "x.png")], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 1
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and "metrics.jsonl" in lines[0]
+    assert not (tmp_path / "x.png").exists()
