@@ -59,15 +59,17 @@ def fully_shard(module, *, mesh=None, reshard_after_forward=None, mp_policy=Mixe
     mesh = _mesh_for(mesh)
     if offload_policy is not None and mesh.device_type != "cuda":
         raise ValueError("offload_policy needs CUDA: on a CPU run parameters already live in CPU memory")
-    unit = ShardedUnit(module, mesh, reshard_after_forward, mp_policy, offload_policy)
-    module._fsdp_unit = unit
-    module.register_forward_pre_hook(_pre_forward, with_kwargs=True)
-    module.register_forward_hook(_post_forward)
-    # state_dict() and load_state_dict() work on the sharded DTensors
-    module.register_state_dict_pre_hook(lambda *_: unit.reshard())
-    module._register_load_state_dict_pre_hook(lambda *_: unit.reshard())
-    cls = module.__class__
-    module.__class__ = _fsdp_classes.setdefault(cls, type(f"FSDP{cls.__name__}", (FSDPModule, cls), {}))
+    modules = list(module) if isinstance(module, (list, tuple)) else [module]
+    unit = ShardedUnit(modules, mesh, reshard_after_forward, mp_policy, offload_policy)
+    for m in modules:
+        m._fsdp_unit = unit
+        m.register_forward_pre_hook(_pre_forward, with_kwargs=True)
+        m.register_forward_hook(_post_forward)
+        # state_dict() and load_state_dict() see the sharded DTensors
+        m.register_state_dict_pre_hook(lambda *_: unit.reshard())
+        m._register_load_state_dict_pre_hook(lambda *_: unit.reshard())
+        cls = m.__class__
+        m.__class__ = _fsdp_classes.setdefault(cls, type(f"FSDP{cls.__name__}", (FSDPModule, cls), {}))
     return module
 
 
@@ -76,10 +78,14 @@ _fsdp_classes = {}
 
 def _lazy_init(root_module):
     """The first unit to run forward is the root: it gathers every unit below into one schedule."""
-    units = [m._fsdp_unit for m in root_module.modules() if hasattr(m, "_fsdp_unit")]
-    schedule = Schedule(units)
-    for unit in units:
-        unit.lazy_init(schedule, is_root=unit.module is root_module)
+    units = {}  # unit -> its first module's path, in module order
+    for path, m in root_module.named_modules():
+        if hasattr(m, "_fsdp_unit"):
+            units.setdefault(m._fsdp_unit, path or "root")
+    schedule = Schedule(list(units))
+    for unit, path in units.items():
+        unit.name = path
+        unit.lazy_init(schedule, is_root=root_module in unit.modules)
 
 
 def _cast(tree, dtype):
@@ -98,6 +104,8 @@ def _pre_forward(module, args, kwargs):
 
 def _post_forward(module, args, output):
     unit = module._fsdp_unit
+    if module is not unit.modules[-1]:
+        return output  # a grouped unit ends with its last module
     grad_enabled = torch.is_grad_enabled()
     unit.post_forward(grad_enabled)
     if unit.mp.output_dtype is not None:

@@ -64,9 +64,9 @@ class ParamShard:
 
 
 class ShardedUnit:
-    def __init__(self, module, mesh, reshard_after_forward, mp_policy, offload_policy):
-        self.module = module
-        self.name = type(module).__name__
+    def __init__(self, modules, mesh, reshard_after_forward, mp_policy, offload_policy):
+        self.modules = modules  # usually one; several consecutive blocks for size-based wrapping
+        self.name = type(modules[0]).__name__  # the root renames units by their path at lazy init
         self.mesh = mesh
         self.shard_group = mesh.get_group(mesh.ndim - 1)
         self.replicate_group = mesh.get_group(0) if mesh.ndim == 2 else None
@@ -93,30 +93,26 @@ class ShardedUnit:
         self._gather = None  # (work, output, input) while GATHERING
         self._reduction = None  # (work, input, output, params) while a reduce-scatter is in flight
         self._partial_reduction = None  # HSDP with all-reduce off: reduce-scattered, not yet averaged
-        self._shard(module)
+        self._shard()
 
     # ---- construction --------------------------------------------------------------------
-    def _managed_params(self, module):
-        """Parameters under `module` not already owned by a nested unit, with every registration."""
+    def _managed_params(self):
+        """Parameters under our modules not already owned by a nested unit, with every registration."""
         found = {}
-        for sub in module.modules():
-            if sub is not module and hasattr(sub, "_fsdp_unit"):
-                continue
-            for name, p in sub._parameters.items():
-                if p is None or isinstance(p, DTensor):
-                    continue  # DTensor: already sharded by a nested fully_shard
-                found.setdefault(p, []).append((sub, name))
-        # a nested unit's subtree is skipped as a whole, so look inside it only to catch ties
-        for sub in module.modules():
-            if sub is not module and hasattr(sub, "_fsdp_unit"):
-                for p in sub._fsdp_unit.module.parameters():
-                    if p in found:
-                        raise ValueError(f"a parameter of {self.name} is tied to one inside a nested "
-                                         "fully_shard unit: keep tied modules in the same unit")
+        for module in self.modules:
+            for sub in module.modules():
+                for name, p in sub._parameters.items():
+                    if p is not None and not isinstance(p, DTensor):  # DTensor: a nested unit's
+                        found.setdefault(p, []).append((sub, name))
+        if any(hasattr(p, "_fsdp_sharded") for p in found):  # marked below by a nested unit
+            raise ValueError(f"a parameter of {self.name} is tied to one inside a nested "
+                             "fully_shard unit: keep tied modules in the same unit")
+        for p in found:
+            p._fsdp_sharded = True
         return found
 
-    def _shard(self, module):
-        found = self._managed_params(module)
+    def _shard(self):
+        found = self._managed_params()
         dtypes = {p.dtype for p in found}
         if len(dtypes) > 1:
             raise ValueError(f"fully_shard({self.name}): parameters of one unit must share a dtype, got {dtypes}")
@@ -240,8 +236,10 @@ class ShardedUnit:
 
     # ---- hooks' bodies (called from api.py) ----------------------------------------------
     def pre_forward(self):
-        if self.training_state == "pre_backward":
-            return  # activation checkpointing recomputes inside backward: already gathered
+        if self.training_state != "idle":
+            # "forward": a later module of a grouped unit; "pre_backward": activation
+            # checkpointing recomputes inside backward. Either way the unit is already gathered.
+            return
         self.training_state = "forward"
         self.schedule.record_pre_forward(self)
         self.wait_unshard()

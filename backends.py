@@ -1,0 +1,196 @@
+"""
+The one place where the distributed backends differ. train.py talks to a Backend only:
+
+    backend = make_backend(name, cfg)                 # 'ddp' | 'fsdp' | 'custom_fsdp'
+    model = backend.wrap(model, materialize)          # compile, shard, materialize weights on device
+    with backend.autocast(): loss = model(x, y)       # mixed precision where the backend needs autocast
+    backend.set_grad_sync(model, is_last_micro_step)  # no_sync-style accumulation
+    backend.backward(loss)
+    norm = backend.clip_grad_norm(model, optimizer, max_norm)  # total norm before clipping (float)
+    backend.step(optimizer)
+
+`fsdp` is PyTorch's FSDP2 (torch.distributed.fsdp.fully_shard); `custom_fsdp` is ours
+(fsdp_impl), with the same API, so the two share one class and differ only in the import.
+"""
+from contextlib import nullcontext
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+BACKENDS = ("ddp", "fsdp", "custom_fsdp")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+WRAP_POLICIES = ("block", "model", "size")
+
+
+class BackendError(ValueError):
+    """Bad settings: train.py prints the message as one line and exits non-zero."""
+
+
+def make_backend(name, cfg):
+    if name not in BACKENDS:
+        raise BackendError(f"unknown dist_backend '{name}' (choose one of {', '.join(BACKENDS)})")
+    if cfg["dtype"] not in DTYPES:
+        raise BackendError(f"unknown dtype '{cfg['dtype']}' (choose one of {', '.join(DTYPES)})")
+    return DDPBackend(cfg) if name == "ddp" else FSDPBackend(name, cfg)
+
+
+class Backend:
+    sharded = False
+
+    def __init__(self, cfg):
+        self.cfg = cfg
+        self.device = torch.device(cfg["device"])
+        self.dtype = DTYPES[cfg["dtype"]]
+        self.world_size = dist.get_world_size() if dist.is_initialized() else 1
+        if cfg["cpu_offload"] and self.device.type != "cuda":
+            raise BackendError("cpu_offload needs a CUDA device: on CPU the parameters already live in CPU memory")
+
+    def autocast(self):
+        return nullcontext()
+
+    def set_grad_sync(self, model, enabled):
+        pass
+
+    def backward(self, loss):
+        loss.backward()
+
+    @torch.no_grad()
+    def clip_grad_norm(self, model, optimizer, max_norm):
+        """Total gradient norm before clipping; clips in place when max_norm > 0."""
+        params = [p for p in model.parameters() if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+        if max_norm > 0:
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+        return (norm.full_tensor() if isinstance(norm, DTensor) else norm).item()
+
+    def step(self, optimizer):
+        optimizer.step()
+
+    @staticmethod
+    def unwrap(model):
+        """The GPT itself (for generate, the optimizer and state dicts)."""
+        return getattr(model, "module", model)
+
+
+class DDPBackend(Backend):
+    """DistributedDataParallel (or the plain model when there is one process)."""
+
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        if cfg["cpu_offload"] or cfg["replicate_degree"] != 1:
+            raise BackendError("cpu_offload and replicate_degree apply to the sharded backends only")
+        # float16 needs loss scaling to keep small gradients from underflowing
+        self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.dtype == torch.float16)
+
+    def autocast(self):
+        if self.dtype == torch.float32:
+            return nullcontext()
+        return torch.autocast(self.device.type, dtype=self.dtype)
+
+    def wrap(self, model, materialize):
+        # to_empty() turns each registration of a tied meta parameter into its own tensor: re-tie
+        registrations = {}
+        for m in model.modules():
+            for name, p in m._parameters.items():
+                registrations.setdefault(p, []).append((m, name))
+        model.to_empty(device=self.device)
+        for (first, first_name), *others in registrations.values():
+            for m, name in others:
+                m._parameters[name] = first._parameters[first_name]
+        materialize(model)
+        if self.cfg["compile"]:
+            model.compile()
+        if self.world_size > 1:
+            from torch.nn.parallel import DistributedDataParallel as DDP
+            model = DDP(model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
+        return model
+
+    def set_grad_sync(self, model, enabled):
+        if self.world_size > 1:
+            model.require_backward_grad_sync = enabled  # what DDP's no_sync() toggles
+
+    def backward(self, loss):
+        self.scaler.scale(loss).backward()  # the scaler is a no-op unless dtype is float16
+
+    def clip_grad_norm(self, model, optimizer, max_norm):
+        self.scaler.unscale_(optimizer)
+        return super().clip_grad_norm(model, optimizer, max_norm)
+
+    def step(self, optimizer):
+        self.scaler.step(optimizer)
+        self.scaler.update()
+
+
+class FSDPBackend(Backend):
+    """FSDP2 ('fsdp') or ours ('custom_fsdp'): the same calls, two implementations."""
+    sharded = True
+
+    def __init__(self, name, cfg):
+        super().__init__(cfg)
+        if self.dtype == torch.float16:
+            raise BackendError("dtype=float16 needs loss scaling, which the sharded backends do not do: use bfloat16")
+        if cfg["wrap_policy"] not in WRAP_POLICIES:
+            raise BackendError(f"unknown wrap_policy '{cfg['wrap_policy']}' (choose one of {', '.join(WRAP_POLICIES)})")
+        replicas = cfg["replicate_degree"]
+        if replicas < 1 or self.world_size % replicas:
+            raise BackendError(f"replicate_degree={replicas} does not divide the world size {self.world_size}")
+        if name == "fsdp":
+            from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+            self.offload_policy = CPUOffloadPolicy() if cfg["cpu_offload"] else None
+        else:
+            from fsdp_impl import MixedPrecisionPolicy, OffloadPolicy, fully_shard
+            self.offload_policy = OffloadPolicy() if cfg["cpu_offload"] else None
+        self.fully_shard = fully_shard
+        self.mp_policy = MixedPrecisionPolicy(
+            param_dtype=None if self.dtype == torch.float32 else self.dtype, reduce_dtype=torch.float32)
+        from torch.distributed.device_mesh import init_device_mesh
+        shape = (replicas, self.world_size // replicas) if replicas > 1 else (self.world_size,)
+        names = ("replicate", "shard") if replicas > 1 else ("shard",)
+        self.mesh = init_device_mesh(self.device.type, shape, mesh_dim_names=names)
+
+    def _groups(self, blocks):
+        """Consecutive blocks per unit: one each, all together, or grouped up to min_wrap_params."""
+        policy = self.cfg["wrap_policy"]
+        if policy == "block":
+            return [[b] for b in blocks]
+        if policy == "model":
+            return []
+        groups, current, size = [], [], 0
+        for b in blocks:
+            current.append(b)
+            size += sum(p.numel() for p in b.parameters())
+            if size >= self.cfg["min_wrap_params"]:
+                groups.append(current)
+                current, size = [], 0
+        return groups + ([current] if current else [])
+
+    def wrap(self, model, materialize):
+        blocks = list(model.transformer.h)
+        if self.cfg["compile"]:
+            for b in blocks:  # compile each block's forward; the FSDP hooks stay outside the graph
+                b.forward = torch.compile(b.forward)
+        kwargs = dict(mesh=self.mesh, reshard_after_forward=self.cfg["reshard_after_forward"],
+                      mp_policy=self.mp_policy)
+        if self.offload_policy is not None:
+            kwargs["offload_policy"] = self.offload_policy
+        groups = self._groups(blocks)
+        for group in groups:
+            self.fully_shard(group if len(group) > 1 else group[0], **kwargs)
+        # the root keeps wte/lm_head (tied) together; None: like FSDP2's default it does not
+        # reshard after forward, since backward needs it again at once
+        self.fully_shard(model, **{**kwargs, "reshard_after_forward": None})
+        model.to_empty(device=self.device)
+        materialize(model)
+        # explicit prefetch lists, so both implementations prefetch the same units: in forward
+        # the next unit, in backward the one that runs backward next ([] switches it off)
+        blocks, on = [g[0] for g in groups], self.cfg["prefetch"]
+        orders = {"set_modules_to_forward_prefetch": [model] + blocks,
+                  "set_modules_to_backward_prefetch": [model] + blocks[::-1]}
+        for setter, order in orders.items():
+            for unit, nxt in zip(order, order[1:] + [None]):
+                getattr(unit, setter)([nxt] if on and nxt is not None else [])
+        return model
+
+    def set_grad_sync(self, model, enabled):
+        model.set_requires_gradient_sync(enabled)

@@ -1,0 +1,163 @@
+"""
+Checkpoints: one format for every backend and every world size.
+
+    out_dir/ckpt-0000250/   a torch.distributed.checkpoint (DCP) directory: every rank writes its
+                            own shards; DCP re-shards on load, so a checkpoint written by FSDP at 4
+                            ranks resumes under DDP at 1, and the other way round.
+        manifest.json       written last: format version, iteration, model args, config, backend,
+                            world size, and every file's size and CRC32.
+    out_dir/latest          the name of the newest complete checkpoint, replaced atomically.
+
+A crash mid-save leaves a `*.tmp` directory and `latest` still naming the previous checkpoint.
+`python checkpoint.py OUT_DIR` exports the latest one as a single OUT_DIR/ckpt.pt.
+"""
+import json
+import os
+import shutil
+import sys
+import zlib
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
+                                                     set_model_state_dict, set_optimizer_state_dict)
+
+FORMAT_VERSION = 1
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be used: train.py prints the message as one line and exits."""
+
+
+def _rank():
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _barrier():
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _file_digests(path):
+    digests = {}
+    for name in sorted(os.listdir(path)):
+        if name == "manifest.json":
+            continue
+        crc, size = 0, 0
+        with open(os.path.join(path, name), "rb") as f:
+            while chunk := f.read(1 << 24):
+                crc, size = zlib.crc32(chunk, crc), size + len(chunk)
+        digests[name] = {"bytes": size, "crc32": crc}
+    return digests
+
+
+def _write_atomic(path, text):
+    with open(path + ".tmp", "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(path + ".tmp", path)
+
+
+def save(out_dir, model, optimizer, meta, keep=2):
+    """Write a checkpoint of model + optimizer + `meta` (a JSON-able dict with 'iter_num')."""
+    final = os.path.join(out_dir, f"ckpt-{meta['iter_num']:07d}")
+    tmp = final + ".tmp"
+    if _rank() == 0:
+        os.makedirs(out_dir, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+    _barrier()
+    state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
+    dcp.save(state, checkpoint_id=tmp)  # returns once every rank's shards and the metadata are written
+    if _rank() == 0:
+        manifest = {"format_version": FORMAT_VERSION, **meta, "files": _file_digests(tmp)}
+        _write_atomic(os.path.join(tmp, "manifest.json"), json.dumps(manifest, indent=1))
+        if os.path.exists(final):  # the same iteration saved again (e.g. right after a resume)
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+        _write_atomic(os.path.join(out_dir, "latest"), os.path.basename(final))
+        complete = sorted(d for d in os.listdir(out_dir) if d.startswith("ckpt-") and not d.endswith(".tmp"))
+        for old in complete[:-keep]:
+            shutil.rmtree(os.path.join(out_dir, old))
+    _barrier()
+
+
+def latest_path(out_dir):
+    pointer = os.path.join(out_dir, "latest")
+    if not os.path.exists(pointer):
+        raise CheckpointError(f"no checkpoint in {out_dir} (no '{pointer}')")
+    with open(pointer) as f:
+        return os.path.join(out_dir, f.read().strip())
+
+
+def read_manifest(path, verify=True):
+    """The manifest of checkpoint directory `path`, after checking it is complete and intact."""
+    try:
+        with open(os.path.join(path, "manifest.json")) as f:
+            manifest = json.load(f)
+    except FileNotFoundError:
+        raise CheckpointError(f"checkpoint {path} is incomplete (no manifest.json)")
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise CheckpointError(f"checkpoint {path} has a corrupt manifest.json")
+    version = manifest.get("format_version")
+    if version != FORMAT_VERSION:
+        raise CheckpointError(f"checkpoint {path} has format version {version}; this code reads {FORMAT_VERSION}")
+    if verify:
+        found = _file_digests(path)
+        for name, want in manifest["files"].items():
+            got = found.get(name)
+            if got is None:
+                raise CheckpointError(f"checkpoint {path} is missing {name}")
+            if got != want:
+                raise CheckpointError(f"checkpoint {path} is corrupt: {name} has {got['bytes']} bytes, "
+                                      f"crc32 {got['crc32']}; expected {want['bytes']} bytes, crc32 {want['crc32']}")
+    return manifest
+
+
+def load_manifest(out_dir):
+    """Rank 0 finds and verifies the latest checkpoint; every rank gets (path, manifest) or the error."""
+    result = [None]
+    if _rank() == 0:
+        try:
+            path = latest_path(out_dir)
+            result[0] = (path, read_manifest(path))
+        except CheckpointError as e:
+            result[0] = e
+    if dist.is_initialized():
+        dist.broadcast_object_list(result, src=0)
+    if isinstance(result[0], CheckpointError):
+        raise result[0]
+    return result[0]
+
+
+def load(path, model, optimizer):
+    """Load model and optimizer state (any backend, any world size) in place."""
+    state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
+    dcp.load(state, checkpoint_id=path)
+    set_model_state_dict(model, state["model"])
+    set_optimizer_state_dict(model, optimizer, state["optim"])
+
+
+def load_model_only(path, model):
+    """Load just the model weights into a plain (unsharded, single-process) model."""
+    state = {"model": get_model_state_dict(model)}
+    dcp.load(state, checkpoint_id=path)
+    set_model_state_dict(model, state["model"])
+
+
+if __name__ == "__main__":
+    from model import GPT, GPTConfig
+    if len(sys.argv) != 2:
+        raise SystemExit("usage: python checkpoint.py OUT_DIR   (writes OUT_DIR/ckpt.pt)")
+    try:
+        ckpt, manifest = load_manifest(sys.argv[1])
+    except CheckpointError as e:
+        raise SystemExit(f"error: {e}")
+    gpt = GPT(GPTConfig(**manifest["model_args"]))
+    load_model_only(ckpt, gpt)
+    out = os.path.join(sys.argv[1], "ckpt.pt")
+    torch.save({"model": gpt.state_dict(), "model_args": manifest["model_args"],
+                "iter_num": manifest["iter_num"], "best_val_loss": manifest["best_val_loss"],
+                "config": manifest["config"]}, out)
+    print(f"wrote {out} (iteration {manifest['iter_num']})")

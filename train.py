@@ -1,0 +1,322 @@
+"""
+Train a GPT, on one process or many, with the distributed backend of your choice.
+
+One process:               python train.py config/train_shakespeare_char.py --device=cpu
+Several (one node):        torchrun --standalone --nproc_per_node=4 train.py config/... --dist_backend=custom_fsdp
+Several nodes:             see README.md (torchrun rendezvous or scripts/slurm.sh)
+
+--dist_backend: ddp (DistributedDataParallel), fsdp (PyTorch's FSDP2), custom_fsdp (ours, fsdp_impl/).
+Every difference between them lives in backends.py; this loop never asks which one it has.
+"""
+import json
+import math
+import os
+import resource
+import sys
+import time
+from contextlib import nullcontext
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+import checkpoint
+import configurator
+from backends import BackendError, make_backend
+from model import GPT, GPTConfig, load_pretrained_gpt2
+
+# -----------------------------------------------------------------------------
+# default config: a small char-level model on tiny Shakespeare
+# I/O
+out_dir = "out"
+eval_interval = 250
+eval_iters = 20
+log_interval = 10
+always_save_checkpoint = True  # else only when the validation loss improves
+keep_checkpoints = 2  # complete checkpoints kept in out_dir
+init_from = "scratch"  # 'scratch', 'resume' (latest checkpoint in out_dir) or 'gpt2*'
+# wandb logging
+wandb_log = False
+wandb_project = "fsdp-gpt"
+wandb_run_name = "run"  # runs are named <run_name>-<backend>-w<world size> and grouped by run_name
+# data
+dataset = "shakespeare_char"
+data_dir = ""  # default: data/<dataset>
+gradient_accumulation_steps = 4  # global micro-batches per step, split across processes
+batch_size = 12  # sequences per micro-batch
+block_size = 64
+seed = 1337
+# model
+n_layer = 4
+n_head = 4
+n_embd = 128
+dropout = 0.0
+bias = False
+# AdamW
+learning_rate = 1e-3
+max_iters = 2000
+weight_decay = 1e-1
+beta1 = 0.9
+beta2 = 0.99
+grad_clip = 1.0  # 0 disables clipping (the norm is still measured and logged)
+# learning rate schedule: linear warmup, cosine decay to min_lr
+decay_lr = True
+warmup_iters = 100
+lr_decay_iters = 2000
+min_lr = 1e-4
+# distributed
+dist_backend = "ddp"  # 'ddp', 'fsdp' (PyTorch FSDP2) or 'custom_fsdp' (ours)
+backend = "nccl"  # process-group backend on CUDA; CPU runs use gloo
+# FSDP knobs (fsdp and custom_fsdp)
+reshard_after_forward = True  # True: ZeRO-3 (free gathered params after forward); False: ZeRO-2
+wrap_policy = "block"  # 'block': one unit per block + root; 'model': one unit; 'size': group blocks
+min_wrap_params = 1_000_000  # wrap_policy='size': consecutive blocks per unit until this many params
+prefetch = True  # gather the next unit while this one computes
+replicate_degree = 1  # HSDP: >1 replicates over this many groups and shards inside each
+cpu_offload = False  # keep sharded params, grads and optimizer state in CPU memory (CUDA only)
+activation_checkpointing = False  # recompute each block's activations in backward (any backend)
+# system
+device = "cuda" if torch.cuda.is_available() else "cpu"  # 'cpu', 'cuda', 'cuda:0', ...
+dtype = "bfloat16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "float32"
+compile = False
+# -----------------------------------------------------------------------------
+configurator.apply(globals(), sys.argv[1:])
+config = {k: v for k, v in globals().items() if not k.startswith("_") and isinstance(v, (int, float, bool, str))}
+
+# distributed setup: torchrun sets RANK/WORLD_SIZE; a plain `python train.py` is one process
+ddp_launch = int(os.environ.get("RANK", -1)) != -1
+if ddp_launch:
+    rank, local_rank, world_size = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"])
+    if device.startswith("cuda"):
+        device = f"cuda:{local_rank}"
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend if device.startswith("cuda") else "gloo")
+elif dist_backend != "ddp":  # FSDP needs a process group, even a group of one
+    rank, local_rank, world_size = 0, 0, 1
+    dist.init_process_group("gloo" if device == "cpu" else backend, store=dist.HashStore(), rank=0, world_size=1)
+else:
+    rank, local_rank, world_size = 0, 0, 1
+master = rank == 0
+config["device"] = device
+
+
+def fail(msg):
+    """Bad input: one line naming the problem (from rank 0), non-zero exit, nothing overwritten."""
+    if master:
+        print(f"error: {msg}", file=sys.stderr, flush=True)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    os._exit(2)
+
+
+try:
+    back = make_backend(dist_backend, config)
+except BackendError as e:
+    fail(str(e))
+if gradient_accumulation_steps % world_size:
+    fail(f"gradient_accumulation_steps={gradient_accumulation_steps} is not divisible by the world size {world_size}")
+local_steps = gradient_accumulation_steps // world_size  # micro-batches on this rank per step
+tokens_per_iter = gradient_accumulation_steps * batch_size * block_size
+if master:
+    print(f"{dist_backend} on {world_size} process(es); tokens per iteration: {tokens_per_iter:,}")
+    os.makedirs(out_dir, exist_ok=True)
+device_type = "cuda" if device.startswith("cuda") else "cpu"
+torch.backends.cuda.matmul.allow_tf32 = True
+torch.backends.cudnn.allow_tf32 = True
+
+# data: the batch of (iteration i, global micro-batch k) depends on (seed, i, k) alone, so every
+# world size and backend trains on the same tokens, and a resumed run on the same as an unbroken one
+data_dir = data_dir or os.path.join("data", dataset)
+for split in ("train", "val"):
+    if not os.path.exists(os.path.join(data_dir, f"{split}.bin")):
+        fail(f"no {split}.bin in {data_dir}: run python data/{dataset}/prepare.py first")
+
+
+def get_batch(split, *key):
+    data = np.memmap(os.path.join(data_dir, f"{split}.bin"), dtype=np.uint16, mode="r")
+    ix = np.random.default_rng((seed, *key)).integers(len(data) - block_size, size=batch_size)
+    x = torch.from_numpy(np.stack([data[i:i + block_size] for i in ix]).astype(np.int64))
+    y = torch.from_numpy(np.stack([data[i + 1:i + 1 + block_size] for i in ix]).astype(np.int64))
+    if device_type == "cuda":
+        return x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(device, non_blocking=True)
+    return x, y
+
+
+# model
+iter_num, best_val_loss = 0, 1e9
+model_args = dict(n_layer=n_layer, n_head=n_head, n_embd=n_embd, block_size=block_size, bias=bias,
+                  vocab_size=None, dropout=dropout, activation_checkpointing=activation_checkpointing)
+pretrained = None
+if init_from == "scratch":
+    meta_path = os.path.join(data_dir, "meta.pkl")
+    if os.path.exists(meta_path):
+        import pickle
+        with open(meta_path, "rb") as f:
+            model_args["vocab_size"] = pickle.load(f)["vocab_size"]
+    model_args["vocab_size"] = model_args["vocab_size"] or 50304
+elif init_from == "resume":
+    try:
+        ckpt_path, manifest = checkpoint.load_manifest(out_dir)
+    except checkpoint.CheckpointError as e:
+        fail(str(e))
+    # the architecture comes from the checkpoint; dropout and checkpointing may change on resume
+    keep = ("dropout", "activation_checkpointing")
+    model_args.update({k: v for k, v in manifest["model_args"].items() if k not in keep})
+elif init_from.startswith("gpt2"):
+    gptconf, pretrained = load_pretrained_gpt2(init_from, dropout)
+    model_args.update(n_layer=gptconf.n_layer, n_head=gptconf.n_head, n_embd=gptconf.n_embd,
+                      vocab_size=gptconf.vocab_size, bias=True)
+else:
+    fail(f"unknown init_from '{init_from}' (choose scratch, resume or gpt2*)")
+
+
+def materialize(m):
+    """Give the (possibly sharded) model its weights, one parameter at a time."""
+    m.init_weights(seed)
+    if pretrained is not None:
+        for name, p in m.named_parameters():
+            full = pretrained[name].to(p.dtype)
+            if hasattr(p, "device_mesh"):  # a DTensor shard: take our piece
+                from torch.distributed.tensor import distribute_tensor
+                full = distribute_tensor(full.to(p.device), p.device_mesh, p.placements, src_data_rank=None).to_local()
+                p = p.to_local()
+            with torch.no_grad():
+                p.copy_(full)
+
+
+with torch.device("meta"):  # no memory yet: the backend shards first, then materializes
+    model = GPT(GPTConfig(**model_args))
+if pretrained is not None and block_size < model.config.block_size:
+    fail(f"block_size={block_size} is smaller than the pretrained model's; crop it after loading")
+model = back.wrap(model, materialize)
+gpt = back.unwrap(model)
+optimizer = gpt.configure_optimizers(weight_decay, learning_rate, (beta1, beta2))
+if init_from == "resume":
+    checkpoint.load(ckpt_path, model, optimizer)
+    iter_num, best_val_loss = manifest["iter_num"], manifest["best_val_loss"]
+    if master:
+        print(f"resumed from {ckpt_path} at iteration {iter_num}")
+
+
+@torch.no_grad()
+def estimate_loss():
+    """Mean loss over eval_iters fixed batches per split, spread over all ranks (FSDP needs all)."""
+    model.eval()
+    out = {}
+    for split_id, split in enumerate(("train", "val")):
+        total = torch.zeros((), dtype=torch.float64, device=device)
+        for j in range(math.ceil(eval_iters / world_size)):  # same count on every rank
+            k = rank + j * world_size
+            X, Y = get_batch(split, 2**40 + split_id, k % eval_iters)  # not an iteration number
+            with back.autocast():
+                _, loss = model(X, Y)
+            if k < eval_iters:
+                total += loss.double()
+        if world_size > 1:
+            dist.all_reduce(total)
+        out[split] = (total / eval_iters).item()
+    model.train()
+    return out
+
+
+def get_lr(it):
+    if not decay_lr:
+        return learning_rate
+    if it < warmup_iters:
+        return learning_rate * (it + 1) / (warmup_iters + 1)
+    if it > lr_decay_iters:
+        return min_lr
+    ratio = (it - warmup_iters) / (lr_decay_iters - warmup_iters)
+    return min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (learning_rate - min_lr)
+
+
+def peak_memory_mb():
+    if device_type == "cuda":
+        return torch.cuda.max_memory_allocated() / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+
+
+peak_flops = None
+if device_type == "cuda":
+    name = torch.cuda.get_device_name()
+    peak_flops = next((f for k, f in (("A100", 312e12), ("H100", 989e12), ("H200", 989e12)) if k in name), None)
+
+metrics_path = os.path.join(out_dir, "metrics.jsonl")
+metrics = open(metrics_path, "a" if init_from == "resume" else "w") if master else None
+
+
+def log_metrics(**row):
+    metrics.write(json.dumps(row) + "\n")
+    metrics.flush()
+
+
+if wandb_log and master:
+    import wandb
+    wandb.init(project=wandb_project, name=f"{wandb_run_name}-{dist_backend}-w{world_size}",
+               group=wandb_run_name, config=config, resume="allow")
+
+# training loop: iterations iter_num .. max_iters-1; evaluate (and checkpoint) every eval_interval
+t0 = time.time()
+while True:
+    lr = get_lr(iter_num)
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    if iter_num % eval_interval == 0 or iter_num == max_iters:
+        losses = estimate_loss()
+        if master:
+            print(f"step {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
+            log_metrics(iter=iter_num, train_loss=losses["train"], val_loss=losses["val"])
+            if wandb_log:
+                wandb.log({"iter": iter_num, "train/loss": losses["train"], "val/loss": losses["val"], "lr": lr})
+        if iter_num > 0 and (losses["val"] < best_val_loss or always_save_checkpoint):
+            best_val_loss = min(best_val_loss, losses["val"])
+            checkpoint.save(out_dir, model, optimizer, keep=keep_checkpoints, meta=dict(
+                iter_num=iter_num, best_val_loss=best_val_loss, model_args=model_args, config=config,
+                dist_backend=dist_backend, world_size=world_size))
+            if master:
+                print(f"saved checkpoint at iteration {iter_num} to {out_dir}")
+    if iter_num >= max_iters:
+        break
+
+    # one optimizer step over the global batch: this rank's micro-batches, gradients
+    # communicated on the last one only
+    torch.manual_seed(seed * 1_000_003 + iter_num * 1009 + rank)  # dropout, identical on resume
+    loss_sum = torch.zeros((), device=device)
+    for micro_step in range(local_steps):
+        back.set_grad_sync(model, micro_step == local_steps - 1)
+        X, Y = get_batch("train", iter_num, rank * local_steps + micro_step)
+        with back.autocast():
+            _, loss = model(X, Y)
+            loss = loss / local_steps  # mean over this rank's micro-batches; ranks average grads
+        back.backward(loss)
+        loss_sum += loss.detach()
+    grad_norm = back.clip_grad_norm(model, optimizer, grad_clip)
+    back.step(optimizer)
+    optimizer.zero_grad(set_to_none=True)
+    if world_size > 1:
+        dist.all_reduce(loss_sum)  # exact mean over the global batch, not rank 0's share
+    loss_mean = loss_sum.item() / world_size
+
+    t1 = time.time()
+    dt, t0 = t1 - t0, t1
+    if master:
+        mfu = gpt.estimate_mfu(local_steps * batch_size, dt, peak_flops)
+        row = dict(iter=iter_num, loss=loss_mean, grad_norm=grad_norm, lr=lr, dt_ms=dt * 1000,
+                   tokens_per_sec=tokens_per_iter / dt, mfu=mfu, peak_mem_mb=peak_memory_mb())
+        log_metrics(**row)
+        if wandb_log:
+            wandb.log({"iter": iter_num, "train/loss_step": loss_mean, "grad_norm": grad_norm,
+                       "tokens_per_sec": row["tokens_per_sec"]})
+        if iter_num % log_interval == 0:
+            mfu_text = f", mfu {mfu * 100:.2f}%" if mfu is not None else ""
+            print(f"iter {iter_num}: loss {loss_mean:.4f}, time {dt * 1000:.2f}ms{mfu_text}")
+    iter_num += 1
+
+if master:
+    metrics.close()
+if dist.is_initialized():
+    dist.destroy_process_group()
+# FSDP2 on gloo can abort in interpreter teardown after a clean run; we are done, so leave now
+sys.stdout.flush()
+sys.stderr.flush()
+os._exit(0)
