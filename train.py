@@ -280,11 +280,12 @@ while True:
 
     # one optimizer step over the global batch: this rank's micro-batches, gradients
     # communicated on the last one only
-    torch.manual_seed(seed * 1_000_003 + iter_num * 1009 + rank)  # dropout, identical on resume
     loss_sum = torch.zeros((), device=device)
     for micro_step in range(local_steps):
         back.set_grad_sync(model, micro_step == local_steps - 1)
-        X, Y = get_batch("train", iter_num, rank * local_steps + micro_step)
+        k = rank * local_steps + micro_step  # global micro-batch index
+        X, Y = get_batch("train", iter_num, k)
+        torch.manual_seed(seed * 1_000_003 + iter_num * 1009 + k)  # dropout masks, fixed like the data
         with back.autocast():
             _, loss = model(X, Y)
             loss = loss / local_steps  # mean over this rank's micro-batches; ranks average grads
