@@ -12,6 +12,7 @@ so one broken mode does not hide the others.
 """
 import json
 import math
+import warnings
 import os
 import sys
 import time
@@ -36,6 +37,9 @@ from fsdp_impl import fully_shard as our_fully_shard  # noqa: E402
 from fsdp_impl.comm import ledger  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 
+warnings.filterwarnings("ignore", message=".*returned a view tensor.*")
+warnings.filterwarnings("ignore", category=FutureWarning)
+
 CFG = dict(block_size=16, vocab_size=67, n_layer=2, n_head=2, n_embd=32)
 BATCH, SEQ = 4, 16
 STEPS = 3
@@ -50,7 +54,7 @@ IMPLS = {
 
 
 # ---- models -------------------------------------------------------------------------------
-def build_gpt(impl, mesh, meta=False, mp=None, reshard_after_forward=None, **cfg_overrides):
+def build_gpt(impl, mesh, meta=False, mp=None, reshard_after_forward=None, grouped=False, **cfg_overrides):
     shard, mp_cls = IMPLS[impl]
     cfg = GPTConfig(**{**CFG, **cfg_overrides})
     kw = {"mesh": mesh}
@@ -64,8 +68,11 @@ def build_gpt(impl, mesh, meta=False, mp=None, reshard_after_forward=None, **cfg
     else:
         model = GPT(cfg)
         model.init_weights(0)
-    for block in model.transformer.h:
-        shard(block, **kw)
+    if grouped:  # every block in one unit: fully_shard([h0, h1, ...])
+        shard(list(model.transformer.h), **kw)
+    else:
+        for block in model.transformer.h:
+            shard(block, **kw)
     shard(model, **kw)
     if meta:
         model.to_empty(device="cpu")
@@ -86,6 +93,7 @@ class OddBlock(nn.Module):
         self.gain = nn.Parameter(torch.empty(1, 5))  # one row: most ranks hold none of it
         self.frozen = nn.Linear(5, 5)
         self.frozen.requires_grad_(False)
+        self.unused = nn.Parameter(torch.empty(2, 5))  # trainable, never used: no grad, no hook firing
 
     def forward(self, x):
         h = F.gelu(self.fc1(x))
@@ -152,6 +160,7 @@ def train(model, mode, *, micro=1, max_norm=HUGE, micro_setup=None, vocab=CFG["v
     rank = dist.get_rank()
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=LR, foreach=False)
+    initial = [p.full_tensor().detach().clone() for p in params]
     losses, norms = [], []
     for step in range(STEPS):
         for k in range(micro):
@@ -167,7 +176,16 @@ def train(model, mode, *, micro=1, max_norm=HUGE, micro_setup=None, vocab=CFG["v
         norms.append(norm.item())
         opt.step()
         opt.zero_grad()
-    return losses, norms, {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
+    final = {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
+    # every trainable parameter moved: the comparison is not between two untouched inits
+    # ("unused" in the odd model gets no grad, so AdamW leaves it alone, in both implementations)
+    moved = all(not torch.equal(a, p.full_tensor()) for a, p, n in zip(initial, params, trained_names(model))
+                if not n.endswith("unused"))
+    return losses, norms, final, moved
+
+
+def trained_names(model):
+    return [n for n, p in model.named_parameters() if p.requires_grad]
 
 
 def max_abs_diff(a, b):
@@ -198,7 +216,8 @@ def compare(name, run):
     """run(impl) -> (losses, norms, params, extra dict). Returns the mode's record."""
     out = {}
     res = {impl: run(impl) for impl in ("fsdp2", "ours")}
-    (l2, n2, p2, x2), (l1, n1, p1, x1) = res["fsdp2"], res["ours"]
+    (l2, n2, p2, m2, x2), (l1, n1, p1, m1, x1) = res["fsdp2"], res["ours"]
+    out["params_moved"] = all_true(m1 and m2)
     assert len(l1) == len(l2) and len(n1) == len(n2), (len(l1), len(l2), len(n1), len(n2))
     out["n_losses"], out["n_norms"] = len(l1), len(n1)
     out["loss_diff"] = all_max(max_abs_diff(l1, l2))
@@ -210,7 +229,12 @@ def compare(name, run):
     out["param_diff"] = all_max(out["param_diff"])
     out["losses_finite"] = all_true(all(math.isfinite(v) for v in l1 + n1))
     out["min_gnorm"] = min(n1)
-    out["extra"] = {**x2, **x1}
+    extra = {**x2, **x1}
+    if "ours_state_dict" in extra:  # compare here: tensors do not go to JSON
+        a, b = extra.pop("ours_state_dict"), extra.pop("fsdp2_state_dict")
+        extra["state_dict_keys_match"] = list(a) == list(b)
+        extra["state_dict_bitwise"] = a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    out["extra"] = extra
     return out
 
 
@@ -224,10 +248,19 @@ def no_extra(fn):
 def parity_modes(world, mesh1d, mesh2d):
     modes = {}
 
-    @no_extra
     def default(impl):
-        return train(build_gpt(impl, mesh1d), "default")
+        model = build_gpt(impl, mesh1d)
+        r = train(model, "default")
+        # state_dict(): same keys, same (sharded DTensor) values as FSDP2's
+        sd = model.state_dict()
+        return (*r, {f"{impl}_state_dict": {k: v.full_tensor() for k, v in sd.items()},
+                     f"{impl}_state_dict_dtensor": all(isinstance(v, DTensor) for v in sd.values())})
     modes["default"] = default
+
+    @no_extra
+    def grouped_blocks(impl):  # fully_shard([h0, h1]): one unit for all blocks
+        return train(build_gpt(impl, mesh1d, grouped=True), "grouped_blocks")
+    modes["grouped_blocks"] = grouped_blocks
 
     @no_extra
     def zero2(impl):
@@ -339,28 +372,22 @@ def units_of(model):
     return [m._fsdp_unit for m in model.modules() if hasattr(m, "_fsdp_unit")]
 
 
-def name_units(model):
-    """Give each unit a unique name for the ledger (fsdp_impl names units by class name)."""
-    model._fsdp_unit.name = "root"
-    for i, b in enumerate(model.transformer.h):
-        b._fsdp_unit.name = f"h{i}"
-
-
 def expected_unit_numels(world):
-    """Per unit: (padded shard numel, max row numel, full numel) from a plain GPT's shapes."""
+    """Per unit (named by its path, "root" for the root): (padded shard numel, sum of row numels,
+    full numel), from a plain GPT's shapes: each parameter is padded to ceil(dim0 / W) rows per rank."""
     plain = GPT(GPTConfig(**CFG))
     block_ids = set()
     out = {}
     for i, b in enumerate(plain.transformer.h):
         ps = list(b.parameters())
         block_ids |= {id(p) for p in ps}
-        out[f"h{i}"] = ps
+        out[f"transformer.h.{i}"] = ps
     out["root"] = [p for p in plain.parameters() if id(p) not in block_ids]  # parameters() dedups ties
 
     def padded(p):
         return math.ceil(p.shape[0] / world) * math.prod(p.shape[1:])
 
-    return {k: (sum(padded(p) for p in ps), max(math.prod(p.shape[1:]) for p in ps), sum(p.numel() for p in ps))
+    return {k: (sum(padded(p) for p in ps), sum(math.prod(p.shape[1:]) for p in ps), sum(p.numel() for p in ps))
             for k, ps in out.items()}
 
 
@@ -368,8 +395,6 @@ def memory_checks(world, mesh1d):
     rank = dist.get_rank()
     res = {}
     model = build_gpt("ours", mesh1d)
-    name_units(model)
-    units = {u.name: u for u in units_of(model)}
     during, after = {}, {}
 
     def probe(store):
@@ -394,6 +419,7 @@ def memory_checks(world, mesh1d):
     for step in range(2):
         x, y = batch("memory", rank, step, 0)
         _, loss = model(x, y)
+        units = {u.name: u for u in units_of(model)}  # named at lazy init (first forward)
         loss.backward()
         us = units.values()
         res["after_backward_unsharded_grad_none"].append(all(ps.unsharded.grad is None for u in us for ps in u.params))
@@ -428,7 +454,8 @@ def memory_checks(world, mesh1d):
     # the unshard()/reshard() API
     h0 = model.transformer.h[0]
     h0.unshard()
-    res["api_unshard_allocates"] = h0._fsdp_unit.flat_full.untyped_storage().nbytes() == units["h0"].world * units["h0"].shard_numel * 4
+    u0 = h0._fsdp_unit
+    res["api_unshard_allocates"] = u0.flat_full.untyped_storage().nbytes() == u0.world * u0.shard_numel * 4
     res["api_unshard_plain_params"] = all(not isinstance(p, DTensor) for p in h0.parameters())
     full_w = h0.attn.c_attn.weight.detach().clone()
     h0.reshard()
@@ -440,6 +467,37 @@ def memory_checks(world, mesh1d):
     res["api_async_unshard"] = h0._fsdp_unit.state == "unsharded"
     h0.reshard()
     return res
+
+
+# ---- flat layout vs FSDP2 -----------------------------------------------------------------
+def layout_checks(mesh1d):
+    """Per unit, the order of the parameters in the flat shard and its padded size, for both.
+
+    The bits of a reduce-scatter depend on where an element sits in the buffer (gloo sums the
+    ranks' contributions in an order that depends on the offset), so matching FSDP2 bit for bit
+    needs FSDP2's order, not only its padding.
+    """
+    out = {}
+    for model_name, build in (("gpt", lambda impl: build_gpt(impl, mesh1d)), ("odd", lambda impl: build_odd(impl, mesh1d))):
+        rec = {}
+        for impl in ("fsdp2", "ours"):
+            model = build(impl)
+            names = {id(p): n for n, p in model.named_parameters()}
+            units = {}
+            for path, m in model.named_modules():
+                if impl == "fsdp2":
+                    state = m._get_fsdp_state() if hasattr(m, "_get_fsdp_state") else None
+                    group = state._fsdp_param_group if state is not None else None
+                    if group is None:
+                        continue
+                    units[path or "root"] = ([names[id(fp.sharded_param)] for fp in group.fsdp_params],
+                                             sum(fp.padded_sharded_param_size.numel() for fp in group.fsdp_params))
+                elif hasattr(m, "_fsdp_unit"):
+                    u = m._fsdp_unit
+                    units[path or "root"] = ([names[id(ps.sharded)] for ps in u.params], u.shard_numel)
+            rec[impl] = units
+        out[model_name] = rec
+    return out
 
 
 # ---- communication and schedule -----------------------------------------------------------
@@ -476,7 +534,6 @@ def comm_checks(world, mesh1d, mesh2d):
 
     def run(tag, build, steps=2, micro=1, setup=None, before=None):
         model = build()
-        name_units(model)
         if before is not None:
             before(model)
         opt = torch.optim.AdamW(model.parameters(), lr=LR, foreach=False)
@@ -544,7 +601,8 @@ def main():
         except Exception:
             result["parity"][name] = {"error": traceback.format_exc()}
         result["timings"][name] = time.perf_counter() - t0
-    for key, fn in (("memory", lambda: memory_checks(world, mesh1d)),
+    for key, fn in (("layout", lambda: layout_checks(mesh1d)),
+                    ("memory", lambda: memory_checks(world, mesh1d)),
                     ("comm", lambda: comm_checks(world, mesh1d, mesh2d))):
         t0 = time.perf_counter()
         try:

@@ -1,0 +1,120 @@
+"""Shared fixtures and helpers for the tests that launch train.py (and friends) as subprocesses."""
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import NamedTuple
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED_INPUT = REPO.parent / "shared" / "data" / "tinyshakespeare" / "input.txt"
+
+# a model small enough that a whole run is dominated by process start-up
+TINY = ["--n_layer=2", "--n_head=2", "--n_embd=32", "--block_size=32", "--batch_size=4",
+        "--eval_iters=2", "--log_interval=1", "--compile=False", "--dropout=0.0", "--dtype=float32"]
+
+TRAIN_KEYS = {"iter", "loss", "grad_norm", "lr", "dt_ms", "tokens_per_sec", "mfu", "peak_mem_mb"}
+
+
+class RunResult(NamedTuple):
+    returncode: int
+    stdout: str
+    stderr: str
+
+    def describe(self):
+        return f"exit {self.returncode}\n--- stdout ---\n{self.stdout[-4000:]}\n--- stderr ---\n{self.stderr[-6000:]}"
+
+
+def subprocess_env():
+    env = dict(os.environ)
+    env.update(OMP_NUM_THREADS="1", WANDB_MODE="disabled", PYTHONUNBUFFERED="1")
+    # never inherit a launcher's rendezvous variables: a plain `python train.py` must be one process
+    for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+              "GROUP_RANK", "ROLE_RANK", "TORCHELASTIC_RUN_ID"):
+        env.pop(k, None)
+    return env
+
+
+def launch(cmd, timeout, cwd=REPO):
+    """Run `cmd` in its own session; on timeout kill the whole process group (no orphans)."""
+    proc = subprocess.Popen([str(c) for c in cmd], cwd=cwd, env=subprocess_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            out, err = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, err = proc.communicate()
+        pytest.fail(f"timed out after {timeout}s: {' '.join(map(str, cmd))}\n"
+                    f"--- stdout ---\n{out[-4000:]}\n--- stderr ---\n{err[-6000:]}")
+    return RunResult(proc.returncode, out, err)
+
+
+def launcher(nproc):
+    """python for one process (nproc 0/None), torchrun --standalone for nproc >= 1."""
+    if not nproc:
+        return [sys.executable]
+    torchrun = shutil.which("torchrun")
+    base = [torchrun] if torchrun else [sys.executable, "-m", "torch.distributed.run"]
+    return base + ["--standalone", f"--nproc_per_node={nproc}"]
+
+
+def run_train(tmp_out, nproc, *args, timeout=300):
+    """train.py with out_dir=tmp_out on the CPU; returns RunResult(returncode, stdout, stderr)."""
+    cmd = launcher(nproc) + [REPO / "train.py", f"--out_dir={tmp_out}", "--device=cpu", *args]
+    return launch(cmd, timeout)
+
+
+def load_metrics(out_dir):
+    """(train rows, eval rows) of out_dir/metrics.jsonl, in file order."""
+    train, evals = [], []
+    with open(Path(out_dir) / "metrics.jsonl") as f:
+        for line in f:
+            if not line.strip():
+                continue
+            row = json.loads(line)
+            if "loss" in row:
+                train.append(row)
+            elif "val_loss" in row:
+                evals.append(row)
+    return train, evals
+
+
+def losses(out_dir, key="loss"):
+    """{iter: value} of the train rows (a later row for the same iter wins, as after a resume)."""
+    return {r["iter"]: r[key] for r in load_metrics(out_dir)[0]}
+
+
+def clone_checkpoint(src_out, ckpt_iter, dst_out):
+    """A fresh out_dir holding only src_out's checkpoint of iteration ckpt_iter, as `latest`."""
+    name = f"ckpt-{ckpt_iter:07d}"
+    dst_out = Path(dst_out)
+    dst_out.mkdir(parents=True)
+    shutil.copytree(Path(src_out) / name, dst_out / name)
+    (dst_out / "latest").write_text(name)
+    return dst_out
+
+
+@pytest.fixture(scope="session")
+def char_data(tmp_path_factory):
+    """Character-level tiny Shakespeare, prepared once per session."""
+    if not SHARED_INPUT.exists():
+        pytest.skip(f"offline data not found at {SHARED_INPUT}")
+    out = tmp_path_factory.mktemp("shakespeare_char")
+    res = launch([sys.executable, REPO / "data" / "shakespeare_char" / "prepare.py",
+                  "--input", SHARED_INPUT, "--out_dir", out], timeout=300)
+    assert res.returncode == 0, res.describe()
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_args(char_data):
+    """The tiny model on the prepared data; tests append what they vary."""
+    return [f"--data_dir={char_data}", *TINY]

@@ -1,0 +1,452 @@
+"""
+fsdp_impl against PyTorch's FSDP2, on CPU with gloo, at 1, 2, 3 and 4 ranks.
+
+tests/fsdp_worker.py does the distributed work: it is launched once per world size (torchrun,
+cached for the session) and writes a JSON report; the tests below assert on it.
+
+Tolerance: every comparison is bitwise. Both implementations run the same kernels on the same
+numbers (same padding, same collectives with the same ops: all-gather; reduce-scatter with AVG,
+FSDP2's choice for fp32/bf16 reduction, or a copy at 1 rank; all-reduce AVG for HSDP), and gloo
+on CPU is deterministic, so there is no source of difference left except a real one. The one
+subtlety: for small buffers gloo's reduce-scatter adds the ranks' contributions in an order that
+depends on the element's offset in the buffer (checked directly: rotating the same data inside
+the buffer changes some bits at 4 ranks), so bitwise parity also needs FSDP2's parameter order
+inside each unit's flat buffer; test_flat_layout_matches_fsdp2 checks that order directly.
+"""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+WORKER = REPO / "tests" / "fsdp_worker.py"
+WORLDS = (1, 2, 3, 4)
+LAUNCH_TIMEOUT_S = 300
+STEPS, MICRO = 3, 3  # as in the worker
+N_LAYER = 2
+U = N_LAYER + 1  # units: one per block and the root
+R, B0, B1 = "root", "transformer.h.0", "transformer.h.1"
+BLOCKS = (B0, B1)
+
+_results = {}
+
+
+def _launch(world, out_dir):
+    """Run the worker under torchrun; on timeout kill its whole process group (no orphans)."""
+    out = out_dir / f"fsdp_w{world}.json"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
+           str(WORKER), str(out)]
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    try:
+        log, _ = proc.communicate(timeout=LAUNCH_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            log, _ = proc.communicate(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            log, _ = proc.communicate()
+        pytest.fail(f"worker at world size {world} timed out after {LAUNCH_TIMEOUT_S}s:\n"
+                    f"{log.decode(errors='replace')[-6000:]}")
+    except BaseException:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        raise
+    log = log.decode(errors="replace")
+    if proc.returncode != 0 or not out.exists():
+        pytest.fail(f"worker at world size {world} exited with {proc.returncode}:\n{log[-6000:]}")
+    res = json.loads(out.read_text())
+    res["launch_s"] = time.perf_counter() - t0
+    return res
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    """world size -> the worker's report; each world size is launched at most once."""
+    out_dir = tmp_path_factory.mktemp("fsdp")
+
+    def get(world):
+        if world not in _results:
+            _results[world] = _launch(world, out_dir)
+        return _results[world]
+    return get
+
+
+def _no_error(section, what):
+    assert "error" not in section, f"{what} raised in the worker:\n{section['error']}"
+
+
+# ---- parity with FSDP2 ----------------------------------------------------------------------
+PARITY_MODES = ["default", "grouped_blocks", "zero2", "grad_accum", "grad_accum_sync_each",
+                "no_reshard_after_backward", "no_reshard_after_backward_sync_on", "bf16_mp",
+                "bf16_grad_accum", "meta_init", "grad_clip", "activation_checkpointing",
+                "odd_model", "odd_model_frozen"]
+HSDP_MODES = ["hsdp", "hsdp_all_reduce_off"]
+MICRO_STEP_MODES = {"grad_accum", "grad_accum_sync_each", "no_reshard_after_backward",
+                    "no_reshard_after_backward_sync_on", "bf16_grad_accum", "hsdp_all_reduce_off"}
+PARITY_CASES = [(w, m) for w in WORLDS for m in PARITY_MODES] + [(4, m) for m in HSDP_MODES]
+
+
+@pytest.mark.parametrize("world,mode", PARITY_CASES, ids=[f"w{w}-{m}" for w, m in PARITY_CASES])
+def test_parity_with_fsdp2(results, world, mode):
+    r = results(world)["parity"][mode]
+    _no_error(r, mode)
+    assert r["n_losses"] == STEPS * (MICRO if mode in MICRO_STEP_MODES else 1)
+    assert r["n_norms"] == STEPS
+    assert r["losses_finite"] and r["min_gnorm"] > 0
+    assert r["params_moved"], "training did not change the parameters: the comparison would be vacuous"
+    # bitwise: same arithmetic in both (see the module docstring)
+    assert r["loss_diff"] == 0.0 and r["loss_bitwise"], f"losses differ by up to {r['loss_diff']}"
+    assert r["gnorm_diff"] == 0.0 and r["gnorm_bitwise"], f"grad norms differ by up to {r['gnorm_diff']}"
+    assert r["param_diff"] == 0.0 and r["param_bitwise"], f"final parameters differ by up to {r['param_diff']}"
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_meta_init_matches_plain_model(results, world):
+    x = results(world)["parity"]["meta_init"]
+    _no_error(x, "meta_init")
+    x = x["extra"]
+    assert x["meta_names_match"] and x["meta_on_cpu"]
+    assert x["meta_init_diff"] == 0.0 and x["meta_init_bitwise"]
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_state_dict_matches_fsdp2(results, world):
+    x = results(world)["parity"]["default"]
+    _no_error(x, "default")
+    x = x["extra"]
+    assert x["ours_state_dict_dtensor"] and x["fsdp2_state_dict_dtensor"]
+    assert x["state_dict_keys_match"] and x["state_dict_bitwise"]
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_frozen_params_untouched(results, world):
+    x = results(world)["parity"]["odd_model_frozen"]
+    _no_error(x, "odd_model_frozen")
+    x = x["extra"]
+    for impl in ("fsdp2", "ours"):
+        assert x[f"{impl}_n_frozen"] == 4  # frozen.weight and frozen.bias in each of 2 blocks
+        assert x[f"{impl}_frozen_unchanged"] and x[f"{impl}_frozen_grad_none"]
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("model", ["gpt", "odd"])
+def test_flat_layout_matches_fsdp2(results, world, model):
+    """Same parameters, same order, same padded size in every unit's flat shard as FSDP2."""
+    lay = results(world)["layout"]
+    _no_error(lay, "layout")
+    ours, ref = lay[model]["ours"], lay[model]["fsdp2"]
+    assert sorted(ours) == sorted(ref)
+    for unit in ref:
+        assert ours[unit][1] == ref[unit][1], f"{unit}: padded shard numel {ours[unit][1]} vs FSDP2's {ref[unit][1]}"
+        assert ours[unit][0] == ref[unit][0], f"{unit}: parameter order differs from FSDP2's"
+
+
+# ---- memory ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("world", WORLDS)
+def test_memory_forward_frees_gathered_params(results, world):
+    m = results(world)["memory"]
+    _no_error(m, "memory")
+    full = m["full_bytes_expected"]
+    assert set(m["flat_full_bytes_during_forward"]) == {R, *BLOCKS}
+    for unit, nbytes in m["flat_full_bytes_during_forward"].items():
+        assert nbytes == full[unit], f"{unit} not fully gathered during its forward"
+    for unit in BLOCKS:  # ZeRO-3: a block's gathered parameters are freed as soon as its forward ends
+        assert m["flat_full_bytes_after_forward"][unit] == 0, f"{unit} still holds its parameters after forward"
+    assert m["flat_full_bytes_after_forward"][R] == full[R]  # the root keeps them for backward
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_memory_after_backward(results, world):
+    m = results(world)["memory"]
+    _no_error(m, "memory")
+    for key in ("after_backward_unsharded_grad_none", "after_backward_accumulated_grad_none",
+                "after_backward_all_sharded", "after_backward_flat_full_freed",
+                "after_backward_nothing_in_flight", "after_backward_module_holds_dtensors"):
+        assert m[key] == [True, True], key
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_memory_sharded_bytes(results, world):
+    m = results(world)["memory"]
+    _no_error(m, "memory")
+    exp = m["expected_units"]  # unit -> (padded shard numel, sum of row numels, full numel)
+    assert m["n_units"] == U
+    assert m["shard_numel"] == {u: e[0] for u, e in exp.items()}
+    assert m["flat_shard_numel"] == m["shard_numel"]
+    full = m["full_bytes"]
+    assert full == 4 * sum(e[2] for e in exp.values())
+    # parameters: exactly the padded shards; padding is under one row per parameter
+    pad_bound = 4 * sum(e[1] for e in exp.values())
+    assert m["param_bytes"] == 4 * sum(e[0] for e in exp.values())
+    assert full / world <= m["param_bytes"] < full / world + pad_bound
+    assert m["sum_param_bytes"] == world * m["param_bytes"]
+    # gradients and AdamW's two moments: the unpadded local shards, which tile the model exactly
+    assert m["grads_dtensor"]
+    assert m["sum_grad_bytes"] == full and m["grad_bytes"] <= m["param_bytes"]
+    assert m["sum_state_bytes"] == 2 * full and m["state_bytes"] <= 2 * m["param_bytes"]
+    if world == 1:
+        assert m["param_bytes"] == m["grad_bytes"] == full
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_unshard_reshard_api(results, world):
+    m = results(world)["memory"]
+    _no_error(m, "memory")
+    for key in ("api_unshard_allocates", "api_unshard_plain_params", "api_unshard_values",
+                "api_reshard_frees", "api_reshard_dtensor_params", "api_async_unshard"):
+        assert m[key], key
+
+
+# ---- communication volume -------------------------------------------------------------------
+def _comm(results, world, tag):
+    c = results(world)["comm"]
+    _no_error(c, "comm")
+    return c[tag]
+
+
+def _gather_bytes(rec, units, elem=4):
+    """One all-gather of a unit moves W * shard_numel elements (the padded full buffer)."""
+    return sum(rec["shard_world"] * rec["shard_numel"][u] * elem for u in units)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("tag,elem", [("zero3", 4), ("bf16", 2), ("no_prefetch", 4), ("explicit_prefetch", 4)])
+def test_comm_zero3(results, world, tag, elem):
+    rec = _comm(results, world, tag)
+    assert rec["shard_world"] == world
+    for step in rec["steps"]:
+        (ph,) = step["phases"]
+        # forward: every unit once; backward: every block again, not the root (kept after forward)
+        assert ph["forward"] == {"all_gather": U, "reduce_scatter": 0, "all_reduce": 0}
+        assert ph["backward"] == {"all_gather": U - 1, "reduce_scatter": U, "all_reduce": 0}
+        assert ph["forward_bytes"]["all_gather"] == _gather_bytes(rec, [R, *BLOCKS], elem)
+        assert ph["backward_bytes"]["all_gather"] == _gather_bytes(rec, BLOCKS, elem)
+        assert ph["backward_bytes"]["reduce_scatter"] == _gather_bytes(rec, [R, *BLOCKS], 4)  # reduce in fp32
+        assert set(ph["states_after"].values()) == {"sharded"}
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_comm_zero2(results, world):
+    rec = _comm(results, world, "zero2")
+    for step in rec["steps"]:
+        (ph,) = step["phases"]
+        assert ph["forward"] == {"all_gather": U, "reduce_scatter": 0, "all_reduce": 0}
+        assert ph["backward"] == {"all_gather": 0, "reduce_scatter": U, "all_reduce": 0}
+        assert ph["forward_bytes"]["all_gather"] == _gather_bytes(rec, [R, *BLOCKS])
+        assert ph["backward_bytes"]["reduce_scatter"] == _gather_bytes(rec, [R, *BLOCKS])
+        assert set(ph["states_after"].values()) == {"sharded"}
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_comm_grad_accum_no_sync(results, world):
+    rec = _comm(results, world, "grad_accum")
+    for step in rec["steps"]:
+        assert len(step["phases"]) == MICRO
+        for k, ph in enumerate(step["phases"]):
+            last = k == MICRO - 1
+            assert ph["forward"] == {"all_gather": U, "reduce_scatter": 0, "all_reduce": 0}
+            assert ph["backward"] == {"all_gather": U - 1, "reduce_scatter": U if last else 0, "all_reduce": 0}
+            assert ph["backward_bytes"]["reduce_scatter"] == (_gather_bytes(rec, [R, *BLOCKS]) if last else 0)
+            assert set(ph["states_after"].values()) == {"sharded"}
+        assert "reduce_scatter" not in {e for e, _ in step["events"][:_index_of_last_micro_start(step)]}
+
+
+def _index_of_last_micro_start(step):
+    """Index in the step's events where the last micro-step's forward starts (root's forward)."""
+    starts = [i for i, (e, u) in enumerate(step["events"]) if (e, u) == ("forward", R)]
+    assert len(starts) == MICRO
+    return starts[-1]
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_comm_no_reshard_after_backward(results, world):
+    rec = _comm(results, world, "no_reshard_after_backward")
+    for step in rec["steps"]:
+        phases = step["phases"]
+        assert len(phases) == MICRO
+        for k, ph in enumerate(phases):
+            last = k == MICRO - 1
+            # later micro-steps find every unit still gathered: no all-gather in their forward
+            assert ph["forward"]["all_gather"] == (U if k == 0 else 0), f"micro-step {k}"
+            # blocks still reshard after forward (ZeRO-3), so backward gathers them again
+            assert ph["backward"]["all_gather"] == U - 1
+            assert ph["forward"]["reduce_scatter"] == 0
+            assert ph["backward"]["reduce_scatter"] == (U if last else 0)
+            assert set(ph["states_after"].values()) == {"sharded" if last else "unsharded"}, f"micro-step {k}"
+
+
+@pytest.mark.parametrize("tag", ["hsdp", "hsdp_all_reduce_off"])
+def test_comm_hsdp(results, tag):
+    rec = _comm(results, 4, tag)
+    assert rec["shard_world"] == 2
+    micro = MICRO if tag == "hsdp_all_reduce_off" else 1
+    for step in rec["steps"]:
+        assert len(step["phases"]) == micro
+        for k, ph in enumerate(step["phases"]):
+            last = k == micro - 1
+            assert ph["forward"] == {"all_gather": U, "reduce_scatter": 0, "all_reduce": 0}
+            assert ph["backward"] == {"all_gather": U - 1, "reduce_scatter": U, "all_reduce": U if last else 0}
+            assert ph["forward_bytes"]["all_gather"] == _gather_bytes(rec, [R, *BLOCKS])  # 2 * shard numel
+            assert ph["backward_bytes"]["reduce_scatter"] == _gather_bytes(rec, [R, *BLOCKS])
+            # the all-reduce across replicas moves this rank's reduce-scattered shard only
+            assert ph["backward_bytes"]["all_reduce"] == (4 * sum(rec["shard_numel"].values()) if last else 0)
+
+
+# ---- schedule -------------------------------------------------------------------------------
+def _check_state_machine(events):
+    """Invariants every event log must satisfy (all units start a step sharded)."""
+    state = {}
+    rs_in_flight = []
+    grads_ready = set()
+    for i, (e, u) in enumerate(events):
+        s = state.get(u, "sharded")
+        where = f"event {i} {e}:{u} in state {s}"
+        if e == "all_gather":
+            assert s == "sharded", where
+            state[u] = "gathering"
+        elif e == "all_gather_wait":
+            assert s == "gathering", where
+            state[u] = "unsharded"
+        elif e in ("forward", "backward"):
+            assert s == "unsharded", where
+        elif e == "free":
+            assert s == "unsharded", where
+            state[u] = "sharded"
+        elif e == "backward_end":
+            grads_ready.add(u)
+        elif e == "reduce_scatter":
+            assert u in grads_ready, where
+            grads_ready.discard(u)
+            assert not rs_in_flight, f"{where}: {rs_in_flight} still in flight"  # at most one at a time
+            rs_in_flight.append(u)
+        elif e == "reduce_scatter_wait":
+            assert rs_in_flight == [u], where
+            rs_in_flight.clear()
+        elif e != "forward_end":
+            raise AssertionError(f"unknown event {e}")
+    assert not rs_in_flight
+    assert all(s != "gathering" for s in state.values())
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_schedule_invariants_all_configs(results, world):
+    comm = results(world)["comm"]
+    _no_error(comm, "comm")
+    for tag, rec in comm.items():
+        for n, step in enumerate(rec["steps"]):
+            try:
+                _check_state_machine(step["events"])
+            except AssertionError as e:
+                raise AssertionError(f"{tag} step {n}: {e}") from None
+
+
+def _ev(s):
+    return [tuple(x.split(":")) for x in s.split()]
+
+
+# ZeRO-3 with the default prefetch, from the second step on (the first step records the order)
+ZERO3_STEP = _ev(f"""
+    all_gather:{R} all_gather_wait:{R} all_gather:{B0} forward:{R}
+    all_gather_wait:{B0} all_gather:{B1} forward:{B0} forward_end:{B0} free:{B0}
+    all_gather_wait:{B1} forward:{B1} forward_end:{B1} free:{B1}
+    forward_end:{R}
+    all_gather:{B1} backward:{R}
+    all_gather_wait:{B1} all_gather:{B0} backward:{B1} backward_end:{B1} free:{B1} reduce_scatter:{B1}
+    all_gather_wait:{B0} backward:{B0} backward_end:{B0} free:{B0} reduce_scatter_wait:{B1} reduce_scatter:{B0}
+    backward_end:{R} free:{R} reduce_scatter_wait:{B0} reduce_scatter:{R} reduce_scatter_wait:{R}
+""")
+
+# prefetch switched off on every module: each all-gather is waited for at once
+NO_PREFETCH_STEP = _ev(f"""
+    all_gather:{R} all_gather_wait:{R} forward:{R}
+    all_gather:{B0} all_gather_wait:{B0} forward:{B0} forward_end:{B0} free:{B0}
+    all_gather:{B1} all_gather_wait:{B1} forward:{B1} forward_end:{B1} free:{B1}
+    forward_end:{R}
+    backward:{R}
+    all_gather:{B1} all_gather_wait:{B1} backward:{B1} backward_end:{B1} free:{B1} reduce_scatter:{B1}
+    all_gather:{B0} all_gather_wait:{B0} backward:{B0} backward_end:{B0} free:{B0} reduce_scatter_wait:{B1} reduce_scatter:{B0}
+    backward_end:{R} free:{R} reduce_scatter_wait:{B0} reduce_scatter:{R} reduce_scatter_wait:{R}
+""")
+
+
+def _step2(results, world, tag):
+    rec = _comm(results, world, tag)
+    return [tuple(e) for e in rec["steps"][1]["events"]]
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_schedule_zero3_exact(results, world):
+    assert _step2(results, world, "zero3") == ZERO3_STEP
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_schedule_zero3_prefetch_overlap(results, world):
+    """The properties the exact sequence encodes, one by one (clearer failures)."""
+    ev = _step2(results, world, "zero3")
+    idx = {e: i for i, e in enumerate(ev)}  # forward events are unique; backward ones too
+
+    def first(e, u, after=0):
+        return next(i for i in range(after, len(ev)) if ev[i] == (e, u))
+
+    fwd_end = idx[("forward_end", R)]
+    order = [R, B0, B1]
+    for prev, nxt in zip(order, order[1:]):
+        ag_prev_wait = first("all_gather_wait", prev)
+        ag_next = first("all_gather", nxt)
+        # forward prefetch: the next unit's all-gather is issued right after this one is waited for,
+        # before this unit computes, and waited for only when the next unit's forward starts
+        assert ag_next == ag_prev_wait + 1, (prev, nxt)
+        assert ag_next < idx[("forward", prev)]
+        assert first("all_gather_wait", nxt) == idx[("forward", nxt)] - 1
+        assert first("all_gather_wait", nxt) > idx[("forward", prev)]
+    # backward: the unit that runs next is gathered before the current one computes
+    bwd_order = [R, B1, B0]
+    for cur, nxt in zip(bwd_order, bwd_order[1:]):
+        assert first("all_gather", nxt, fwd_end) < idx[("backward", cur)], (cur, nxt)
+    for b in BLOCKS:  # reduce-scatter after the unit's grads are all in
+        assert idx[("reduce_scatter", b)] > idx[("backward_end", b)]
+    # the previous reduce-scatter is finished before the next is issued
+    rs = [i for i, (e, _) in enumerate(ev) if e == "reduce_scatter"]
+    rsw = [i for i, (e, _) in enumerate(ev) if e == "reduce_scatter_wait"]
+    assert [ev[i][1] for i in rs] == [B1, B0, R] == [ev[i][1] for i in rsw]
+    for i in range(1, len(rs)):
+        assert rsw[i - 1] < rs[i]
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_schedule_no_prefetch(results, world):
+    rec = _comm(results, world, "no_prefetch")
+    for step in rec["steps"]:
+        ev = [tuple(e) for e in step["events"]]
+        for i, (e, u) in enumerate(ev):
+            if e == "all_gather":
+                assert ev[i + 1] == ("all_gather_wait", u), f"all_gather:{u} at {i} not waited for at once"
+    assert _step2(results, world, "no_prefetch") == NO_PREFETCH_STEP
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_schedule_explicit_forward_prefetch(results, world):
+    """root.set_modules_to_forward_prefetch([h0, h1]): both gathers issued before the root computes."""
+    ev = _step2(results, world, "explicit_prefetch")
+    fwd_root = ev.index(("forward", R))
+    assert ev[:fwd_root] == [("all_gather", R), ("all_gather_wait", R), ("all_gather", B0), ("all_gather", B1)]
+    assert ev.index(("all_gather_wait", B1)) == ev.index(("forward", B1)) - 1
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_schedule_zero2_keeps_params_until_backward(results, world):
+    for step in _comm(results, world, "zero2")["steps"]:
+        ev = [tuple(e) for e in step["events"]]
+        for u in (R, *BLOCKS):
+            assert ev.count(("all_gather", u)) == 1
+            assert ev.index(("free", u)) > ev.index(("backward_end", u))
+
