@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 import checkpoint
 import configurator
+import observe
 from backends import BackendError, make_backend
 from model import GPT, GPTConfig, load_pretrained_gpt2
 
@@ -79,6 +80,9 @@ activation_checkpointing = False  # recompute each block's activations in backwa
 device = "cuda" if torch.cuda.is_available() else "cpu"  # 'cpu', 'cuda', 'cuda:0', ...
 dtype = "bfloat16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "float32"
 compile = False
+# observability (see observe.py)
+profile = False  # Chrome traces of a few steps under out_dir/traces/<dist_backend>/
+memory_snapshot = False  # CUDA memory history (or a CPU memory timeline) of a few steps
 # -----------------------------------------------------------------------------
 configurator.apply(globals(), sys.argv[1:])
 config = {k: v for k, v in globals().items() if not k.startswith("_") and isinstance(v, (int, float, bool, str))}
@@ -184,6 +188,8 @@ def materialize(m):
                 p.copy_(full)
 
 
+comm = observe.CommCounter()  # collectives per training step, for bench.py
+obs = observe.Observer(out_dir, dist_backend, rank, device, profile, memory_snapshot)
 with torch.device("meta"):  # no memory yet: the backend shards first, then materializes
     model = GPT(GPTConfig(**model_args))
 if pretrained is not None and block_size < model.config.block_size:
@@ -196,6 +202,7 @@ if init_from == "resume":
     iter_num, best_val_loss = manifest["iter_num"], manifest["best_val_loss"]
     if master:
         print(f"resumed from {ckpt_path} at iteration {iter_num}")
+memory_rows = [obs.memory("after model creation", model, optimizer)]
 
 
 @torch.no_grad()
@@ -280,6 +287,8 @@ while True:
 
     # one optimizer step over the global batch: this rank's micro-batches, gradients
     # communicated on the last one only
+    obs.before_step()
+    comm.take()  # drop what evaluation and checkpointing issued
     loss_sum = torch.zeros((), device=device)
     for micro_step in range(local_steps):
         back.set_grad_sync(model, micro_step == local_steps - 1)
@@ -297,6 +306,10 @@ while True:
     if world_size > 1:
         dist.all_reduce(loss_sum)  # exact mean over the global batch, not rank 0's share
     loss_mean = loss_sum.item() / world_size
+    comm.add_step()
+    obs.after_step()
+    if len(memory_rows) == 1:
+        memory_rows.append(obs.memory("after first step", model, optimizer))
 
     t1 = time.time()
     dt, t0 = t1 - t0, t1
@@ -313,7 +326,13 @@ while True:
             print(f"iter {iter_num}: loss {loss_mean:.4f}, time {dt * 1000:.2f}ms{mfu_text}")
     iter_num += 1
 
+obs.finish()
+memory_rows.append(obs.memory("end", model, optimizer))
 if master:
+    for row in memory_rows:
+        print(f"memory {row['stage']}: " + ", ".join(f"{k} {v:.1f}" for k, v in row.items() if k.endswith("_mb")))
+        log_metrics(**row)
+    log_metrics(event="comm_per_step", **comm.per_step())
     metrics.close()
 if dist.is_initialized():
     dist.destroy_process_group()

@@ -406,8 +406,11 @@ def test_schedule_zero3_prefetch_overlap(results, world):
         # before this unit computes, and waited for only when the next unit's forward starts
         assert ag_next == ag_prev_wait + 1, (prev, nxt)
         assert ag_next < idx[("forward", prev)]
-        assert first("all_gather_wait", nxt) == idx[("forward", nxt)] - 1
-        assert first("all_gather_wait", nxt) > idx[("forward", prev)]
+        wait_next = first("all_gather_wait", nxt)
+        assert idx[("forward", prev)] < wait_next < idx[("forward", nxt)]
+        # nothing computes between that wait and the next unit's forward (at most the prefetch after it)
+        assert all(e == "all_gather" for e, _ in ev[wait_next + 1:idx[("forward", nxt)]]), \
+            ev[wait_next:idx[("forward", nxt)] + 1]
     # backward: the unit that runs next is gathered before the current one computes
     bwd_order = [R, B1, B0]
     for cur, nxt in zip(bwd_order, bwd_order[1:]):

@@ -1,0 +1,139 @@
+"""
+What a run costs, for any backend: memory at the stages users look at, collectives counted
+per step, profiler traces and memory snapshots of a few steps. train.py owns one Observer.
+
+    --profile=True          Chrome/Perfetto traces, one per rank: out_dir/traces/<backend>/rank<R>.json
+    --memory_snapshot=True  CUDA: torch.cuda.memory history, out_dir/memory/rank<R>.pickle (open it
+                            at pytorch.org/memory_viz); CPU: a profiler memory timeline, rank<R>.html
+"""
+import os
+import resource
+
+import torch
+import torch.distributed as dist
+
+PROFILE_STEPS = (2, 5)  # iterations [2, 5) after the first of the run: past warm-up, few enough
+
+
+def rss_mb():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+
+
+def model_state_mb(model, optimizer):
+    """This rank's bytes of parameters, gradients and optimizer state (local shards only)."""
+    def local(t):
+        t = t.to_local() if hasattr(t, "to_local") else t
+        return t.numel() * t.element_size()
+    params = list(model.parameters())
+    state = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    return {"params_mb": sum(map(local, params)) / 2**20,
+            "grads_mb": sum(local(p.grad) for p in params if p.grad is not None) / 2**20,
+            "optim_mb": sum(map(local, state)) / 2**20}
+
+
+class CommCounter:
+    """Counts collectives and bytes issued through torch.distributed's Python API: everything
+    FSDP2 and fsdp_impl issue. DDP's C++ reducer is not seen (bench.py states its formula)."""
+    KINDS = {"all_gather_into_tensor": "all_gather", "all_gather_single": "all_gather",
+             "reduce_scatter_tensor": "reduce_scatter", "reduce_scatter_single": "reduce_scatter",
+             "all_reduce": "all_reduce"}
+
+    def __init__(self):
+        self.totals = {}
+        self.steps = 0
+        self.take()
+        for fn_name, kind in self.KINDS.items():
+            setattr(dist, fn_name, self._counting(getattr(dist, fn_name), kind))
+
+    def _counting(self, fn, kind):
+        def counted(*args, **kwargs):
+            tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+            big = max(tensors, key=torch.Tensor.numel)  # the output of a gather, the input of a scatter
+            self.current[f"{kind}_count"] += 1
+            self.current[f"{kind}_bytes"] += big.numel() * big.element_size()
+            return fn(*args, **kwargs)
+        return counted
+
+    def take(self):
+        """Counts and bytes since the last call."""
+        taken, self.current = getattr(self, "current", None), {
+            f"{k}_{x}": 0 for k in set(self.KINDS.values()) for x in ("count", "bytes")}
+        return taken
+
+    def add_step(self):
+        """Close one training step: what it issued joins the per-step average."""
+        for k, v in self.take().items():
+            self.totals[k] = self.totals.get(k, 0) + v
+        self.steps += 1
+
+    def per_step(self):
+        return {k: v / max(self.steps, 1) for k, v in self.totals.items()}
+
+
+class Observer:
+    def __init__(self, out_dir, backend_name, rank, device, profile, memory_snapshot):
+        self.out_dir, self.backend_name, self.rank, self.device = out_dir, backend_name, rank, device
+        self.cuda = device.startswith("cuda")
+        self.profiler, self.memory_snapshot = None, memory_snapshot
+        self.profile = profile
+        self.steps = 0
+
+    def memory(self, stage, model=None, optimizer=None):
+        """Memory at a stage: allocator figures on CUDA, RSS everywhere; max over ranks."""
+        row = {"event": "memory", "stage": stage, "rss_mb": rss_mb()}
+        if self.cuda:
+            row |= {"allocated_mb": torch.cuda.memory_allocated() / 2**20,
+                    "max_allocated_mb": torch.cuda.max_memory_allocated() / 2**20,
+                    "reserved_mb": torch.cuda.memory_reserved() / 2**20}
+        if model is not None:
+            row |= model_state_mb(model, optimizer)
+        if dist.is_initialized():
+            keys = [k for k in row if k.endswith("_mb")]
+            values = torch.tensor([row[k] for k in keys], dtype=torch.float64,
+                                  device=self.device if self.cuda else "cpu")
+            dist.all_reduce(values, op=dist.ReduceOp.MAX)
+            row |= dict(zip(keys, values.tolist()))
+        return row
+
+    def before_step(self):
+        """Start tracing or memory history when the profiled window begins."""
+        if self.steps == PROFILE_STEPS[0] and self.memory_snapshot and self.cuda:
+            torch.cuda.memory._record_memory_history(max_entries=200_000)
+        # the profiler starts one step early: that warm-up step opens the first ProfilerStep range
+        if self.steps == PROFILE_STEPS[0] - 1 and self.profile or (self.memory_snapshot and not self.cuda):
+            acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if self.cuda else [])
+            mem = self.memory_snapshot and not self.cuda
+            # the schedule makes each step a ProfilerStep#N range, which fsdp_impl.overlap reads
+            active = PROFILE_STEPS[1] - PROFILE_STEPS[0]
+            self.profiler = torch.profiler.profile(
+                activities=acts, schedule=torch.profiler.schedule(wait=0, warmup=1, active=active),
+                on_trace_ready=self._export, record_shapes=mem, profile_memory=mem, with_stack=mem)
+            self.profiler.start()
+
+    def _path(self, *parts):
+        path = os.path.join(self.out_dir, *parts)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        return path
+
+    def _export(self, prof):
+        if self.profile:
+            prof.export_chrome_trace(self._path("traces", self.backend_name, f"rank{self.rank}.json"))
+        if self.memory_snapshot and not self.cuda:
+            prof.export_memory_timeline(self._path("memory", f"rank{self.rank}.html"), device="cpu")
+
+    def after_step(self):
+        self.steps += 1
+        if self.profiler is not None:
+            self.profiler.step()
+        if self.steps == PROFILE_STEPS[1]:
+            self.finish()
+
+    def finish(self):
+        """Close the window early if the run ended inside it."""
+        if self.profiler is not None:
+            self.profiler.stop()
+            self.profiler = None
+        if self.memory_snapshot and self.cuda and self.steps > PROFILE_STEPS[0]:
+            torch.cuda.memory._dump_snapshot(self._path("memory", f"rank{self.rank}.pickle"))
+            torch.cuda.memory._record_memory_history(enabled=None)
+        self.memory_snapshot = self.profile = False
