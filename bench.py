@@ -1,0 +1,192 @@
+"""
+Side-by-side cost of the backends on the same model and data, from one command.
+
+    python bench.py --backends=ddp,fsdp,custom_fsdp --nproc=2 [--repeats=3] [--steps=12] [train.py --key=value ...]
+    python bench.py --sweep [--backends=...]     per-rank memory and step time at world sizes 1, 2, 4
+    python bench.py --comm --nproc=2             all-gather / reduce-scatter time and bus bandwidth by size
+
+Each backend runs train.py under torchrun; runs are interleaved (A B C A B C ...) so drift on a
+noisy machine hits every backend alike. Figures are medians over steps (the first two, which
+include warm-up, are dropped) and then over repeats; one extra profiled run per backend gives
+the exposed (not overlapped) communication time via fsdp_impl.overlap. Ratios are against the
+first backend. The table is also written as JSON (--json, default bench_out/bench.json).
+"""
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+
+from fsdp_impl import overlap
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+# CPU target of issue 4: a 4-layer 256-wide GPT, batch 8 x 128, one micro-batch per rank
+DEFAULTS = ["--n_layer=4", "--n_head=4", "--n_embd=256", "--batch_size=8", "--block_size=128",
+            "--eval_iters=1", "--log_interval=1000000", "--always_save_checkpoint=False",
+            "--dropout=0.0", "--compile=False"]
+
+
+def run_train(backend, nproc, out_dir, steps, extra, profile=False):
+    """One train.py run; returns its metrics.jsonl rows."""
+    shutil.rmtree(out_dir, ignore_errors=True)
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    args = DEFAULTS + [f"--gradient_accumulation_steps={nproc}"] + extra + [
+        f"--dist_backend={backend}", f"--out_dir={out_dir}", f"--max_iters={steps}",
+        f"--eval_interval={10 ** 9}", f"--profile={profile}"]
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "WANDB_MODE": "disabled"}
+    proc = subprocess.run(launcher + [os.path.join(HERE, "train.py")] + args, env=env, cwd=HERE,
+                          capture_output=True, text=True)
+    if proc.returncode:
+        raise SystemExit(f"error: {backend} at {nproc} processes failed:\n{proc.stderr[-3000:]}")
+    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def summarize_run(rows):
+    steps = [r for r in rows if "loss" in r][2:]
+    memory = {r["stage"]: r for r in rows if r.get("event") == "memory"}
+    comm = next(r for r in rows if r.get("event") == "comm_per_step")
+    end = memory["end"]
+    return {
+        "step_ms": statistics.median(r["dt_ms"] for r in steps),
+        "tokens_per_sec": statistics.median(r["tokens_per_sec"] for r in steps),
+        "mfu": statistics.median(r["mfu"] for r in steps) if steps[0]["mfu"] is not None else None,
+        "peak_mem_mb": end.get("max_allocated_mb", end["rss_mb"]),  # CUDA allocator, else RSS
+        "reserved_mb": end.get("reserved_mb"),
+        "state_mb": end["params_mb"] + end["optim_mb"],  # parameters + optimizer state per rank
+        "all_gather_mb": comm["all_gather_bytes"] / 2**20,
+        "reduce_scatter_mb": comm["reduce_scatter_bytes"] / 2**20,
+        "all_reduce_mb": comm["all_reduce_bytes"] / 2**20,
+        "loss": [r["loss"] for r in rows if "loss" in r][-1],
+    }
+
+
+def median_of(runs):
+    return {k: (statistics.median(r[k] for r in runs) if runs[0][k] is not None else None) for k in runs[0]}
+
+
+def fmt(value, base, lower_is_better=True):
+    if value is None:
+        return "-"
+    ratio = f" ({value / base:.2f}x)" if base else ""
+    return f"{value:,.1f}{ratio}"
+
+
+def bench_backends(args, extra):
+    results = {b: [] for b in args.backends}
+    for rep in range(args.repeats):
+        for b in args.backends:  # interleaved
+            out = os.path.join(args.work_dir, f"{b}-r{rep}")
+            results[b].append(summarize_run(run_train(b, args.nproc, out, args.steps, extra)))
+            print(f"  repeat {rep} {b}: {results[b][-1]['step_ms']:.1f} ms/step", flush=True)
+    table = {b: median_of(runs) for b, runs in results.items()}
+    for b in args.backends:  # one profiled run each: exposed communication
+        out = os.path.join(args.work_dir, f"{b}-profile")
+        run_train(b, args.nproc, out, max(args.steps, 7), extra, profile=True)
+        with open(os.path.join(out, "traces", b, "rank0.json")) as f:
+            s = overlap.summarize(overlap.analyse(json.load(f)))
+        table[b] |= {"exposed_comm_ms": s.get("exposed_ms"), "comm_ms": s.get("comm_ms"),
+                     "hidden_fraction": s.get("hidden_fraction")}
+    first = table[args.backends[0]]
+    cols = [("step_ms", "step ms"), ("tokens_per_sec", "tokens/s"), ("peak_mem_mb", "peak mem MB"),
+            ("state_mb", "params+optim MB"), ("all_gather_mb", "AG MB/step"), ("reduce_scatter_mb", "RS MB/step"),
+            ("all_reduce_mb", "AR MB/step"), ("exposed_comm_ms", "exposed comm ms")]
+    print(f"\n{args.nproc} processes, {args.repeats} repeats, {args.steps} steps; ratios vs {args.backends[0]}")
+    print(" | ".join(["backend".ljust(12)] + [c[1].rjust(20) for c in cols] + ["hidden".rjust(7), "mfu".rjust(6)]))
+    for b, row in table.items():
+        hidden = "-" if row["hidden_fraction"] is None else f"{row['hidden_fraction']:.0%}"
+        mfu = "-" if row["mfu"] is None else f"{row['mfu']:.1%}"
+        print(" | ".join([b.ljust(12)] + [fmt(row[k], first[k]).rjust(20) for k, _ in cols] + [hidden.rjust(7), mfu.rjust(6)]))
+    if "ddp" in table:
+        print("ddp's gradient all-reduces run inside its C++ reducer, which the counter does not see: "
+              "per step they move the gradient bytes once (params MB).")
+    return {"nproc": args.nproc, "repeats": args.repeats, "steps": args.steps, "extra": extra, "backends": table}
+
+
+def sweep(args, extra):
+    out = {}
+    print("world size sweep: per-rank memory (params + optimizer state, MB) and step time (ms)")
+    for b in args.backends:
+        for w in (1, 2, 4):
+            run = summarize_run(run_train(b, w, os.path.join(args.work_dir, f"{b}-w{w}"), args.steps,
+                                          [f"--gradient_accumulation_steps=4"] + extra))
+            out[f"{b}-w{w}"] = run
+            base = out[f"{b}-w1"]
+            print(f"  {b:12} W={w}: params+optim {fmt(run['state_mb'], base['state_mb'])} MB, "
+                  f"peak {run['peak_mem_mb']:.0f} MB, step {fmt(run['step_ms'], base['step_ms'])} ms", flush=True)
+    return {"sweep": out}
+
+
+def comm_worker():
+    """Under torchrun: time all-gather and reduce-scatter by message size on this process group."""
+    import torch
+    import torch.distributed as dist
+    cuda = torch.cuda.is_available()
+    dist.init_process_group("nccl" if cuda else "gloo")
+    w, rank = dist.get_world_size(), dist.get_rank()
+    device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if cuda else torch.device("cpu")
+    rows = []
+    for mb in (1, 4, 16, 64, 256):
+        numel = mb * 2**20 // 4
+        full = torch.zeros(numel - numel % w, device=device)
+        shard = torch.zeros(full.numel() // w, device=device)
+        for name, op in (("all_gather", lambda: dist.all_gather_single(full, shard)),
+                         ("reduce_scatter", lambda: dist.reduce_scatter_single(shard, full, op=dist.ReduceOp.AVG))):
+            op()  # warm-up
+            times = []
+            for _ in range(5):
+                if cuda:
+                    torch.cuda.synchronize()
+                t = time.perf_counter()
+                op()
+                if cuda:
+                    torch.cuda.synchronize()
+                times.append(time.perf_counter() - t)
+            dt = statistics.median(times)
+            # bus bandwidth: the bytes each rank must move, (W-1)/W of the full buffer, per second
+            rows.append({"op": name, "mb": mb, "ms": dt * 1e3, "busbw_gbps": full.numel() * 4 * (w - 1) / w / dt / 1e9})
+    if rank == 0:
+        print(json.dumps(rows))
+    dist.destroy_process_group()
+
+
+def bench_comm(args):
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           f"--nproc_per_node={args.nproc}", __file__, "--comm-worker"],
+                          env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True)
+    if proc.returncode:
+        raise SystemExit(f"error: comm benchmark failed:\n{proc.stderr[-3000:]}")
+    rows = json.loads(proc.stdout.strip().splitlines()[-1])
+    print(f"collectives on {args.nproc} processes")
+    for r in rows:
+        print(f"  {r['op']:15} {r['mb']:4d} MB: {r['ms']:9.2f} ms, bus bandwidth {r['busbw_gbps']:6.2f} GB/s")
+    return {"comm": rows}
+
+
+def main():
+    if "--comm-worker" in sys.argv:
+        return comm_worker()
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[1], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--backends", default="ddp,fsdp,custom_fsdp")
+    p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--sweep", action="store_true")
+    p.add_argument("--comm", action="store_true")
+    p.add_argument("--work_dir", default="bench_out")
+    p.add_argument("--json", default=None)
+    args, extra = p.parse_known_args()
+    args.backends = args.backends.split(",")
+    result = bench_comm(args) if args.comm else sweep(args, extra) if args.sweep else bench_backends(args, extra)
+    path = args.json or os.path.join(args.work_dir, "bench.json")
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,99 @@
+"""bench.py and the trace analyser, checked without timing: synthetic traces with known overlap,
+table fields on synthetic metrics, and collective bytes per step against the formula."""
+import json
+import math
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import bench  # noqa: E402
+from conftest import run_train  # noqa: E402
+from fsdp_impl import overlap  # noqa: E402
+
+
+def op(name, ts, dur, tid=1, cat="cpu_op"):
+    return {"ph": "X", "name": name, "ts": ts, "dur": dur, "tid": tid, "cat": cat}
+
+
+def test_overlap_cpu_trace():
+    # training thread 1: step 0-100; work 0-40 and 60-100; blocked in a wait 40-60.
+    # gloo thread 2 communicates 30-70: 10 + 10 us of it lie under compute.
+    trace = {"traceEvents": [
+        op("ProfilerStep#1", 0, 100, cat="user_annotation"),
+        op("aten::mm", 0, 40), op("fsdp::all_gather_wait h.0", 40, 20, cat="user_annotation"),
+        op("aten::mm", 60, 40), op("gloo:all_gather", 30, 40, tid=2, cat="user_annotation"),
+    ]}
+    (row,) = overlap.analyse(trace)
+    assert row["comm_ms"] == pytest.approx(0.040)
+    assert row["compute_ms"] == pytest.approx(0.080)
+    assert row["hidden_ms"] == pytest.approx(0.020)
+    assert row["exposed_ms"] == pytest.approx(0.020)
+    assert row["hidden_fraction"] == pytest.approx(0.5)
+
+
+def test_overlap_blocking_inside_an_enclosing_op_is_not_compute():
+    # an autograd node 0-100 whose hook blocks in a c10d call 40-60 while gloo works 40-60
+    trace = {"traceEvents": [
+        op("ProfilerStep#1", 0, 100, cat="user_annotation"),
+        op("autograd::engine::evaluate_function: AddBackward0", 0, 100),
+        op("c10d::allgather_", 40, 20), op("gloo:all_gather", 40, 20, tid=2),
+    ]}
+    (row,) = overlap.analyse(trace)
+    assert row["hidden_fraction"] == 0.0 and row["exposed_ms"] == pytest.approx(0.020)
+
+
+def test_overlap_gpu_trace_counts_kernels_per_step():
+    trace = {"traceEvents": [
+        op("ProfilerStep#1", 0, 100, cat="user_annotation"), op("ProfilerStep#2", 100, 100, cat="user_annotation"),
+        op("sm90_gemm", 0, 50, tid=7, cat="kernel"), op("ncclDevKernel_AllGather", 25, 50, tid=8, cat="kernel"),
+        op("sm90_gemm", 100, 100, tid=7, cat="kernel"), op("ncclDevKernel_ReduceScatter", 150, 40, tid=8, cat="kernel"),
+    ]}
+    first, second = overlap.analyse(trace)
+    assert first["hidden_fraction"] == pytest.approx(0.5)
+    assert second["hidden_fraction"] == pytest.approx(1.0) and second["exposed_ms"] == 0
+    assert overlap.summarize([first, second])["hidden_fraction"] == pytest.approx((0.025 + 0.040) / 0.090)
+
+
+def test_summarize_run_fields_and_medians():
+    rows = [{"iter": 0, "train_loss": 4.0, "val_loss": 4.1}]
+    rows += [{"iter": i, "loss": 4.0 - i / 10, "grad_norm": 1.0, "lr": 1e-3, "dt_ms": dt,
+              "tokens_per_sec": 1000.0 / dt, "mfu": None, "peak_mem_mb": 100.0}
+             for i, dt in enumerate([900.0, 500.0, 10.0, 30.0, 20.0])]
+    rows += [{"event": "memory", "stage": "end", "rss_mb": 321.0, "params_mb": 2.0, "grads_mb": 0.0, "optim_mb": 4.0},
+             {"event": "comm_per_step", "all_gather_bytes": 2**21, "reduce_scatter_bytes": 2**20,
+              "all_reduce_bytes": 4.0, "all_gather_count": 9, "reduce_scatter_count": 5, "all_reduce_count": 1}]
+    s = bench.summarize_run(rows)
+    assert s["step_ms"] == 20.0  # median of the steps after the first two (warm-up)
+    assert s["tokens_per_sec"] == pytest.approx(1000.0 / 20.0)
+    assert s["mfu"] is None and s["peak_mem_mb"] == 321.0 and s["state_mb"] == 6.0
+    assert s["all_gather_mb"] == 2.0 and s["reduce_scatter_mb"] == 1.0
+    assert s["loss"] == pytest.approx(3.6)
+
+
+def shard_numel(shapes, world):
+    """Per-rank elements of one unit: every parameter padded to ceil(dim0 / W) rows."""
+    return sum(math.ceil(s[0] / world) * math.prod(s[1:]) for s in shapes)
+
+
+@pytest.mark.parametrize("backend", ["fsdp", "custom_fsdp"])
+def test_collective_bytes_per_step_match_the_formula(backend, char_data, tmp_path):
+    """Counted by train.py's CommCounter; expected from the model's shapes (float32, W=2)."""
+    W, L, C, V, T, steps, micro = 2, 2, 32, 65, 32, 3, 2
+    res = run_train(tmp_path, W, f"--data_dir={char_data}", f"--n_layer={L}", "--n_head=2", f"--n_embd={C}",
+                    f"--block_size={T}", "--batch_size=2", "--bias=True", f"--max_iters={steps}",
+                    f"--gradient_accumulation_steps={W * micro}", "--eval_iters=1", f"--dist_backend={backend}")
+    assert res.returncode == 0, res.describe()
+    block = [(3 * C, C), (3 * C,), (C, C), (C,), (4 * C, C), (4 * C,), (C, 4 * C), (C,), (C,), (C,), (C,), (C,)]
+    root = [(V, C), (T, C), (C,), (C,)]  # wte (tied with lm_head), wpe, ln_f weight and bias
+    ag = lambda shapes: W * shard_numel(shapes, W) * 4  # bytes of one unit's gathered buffer
+    per_micro = ag(root) + 2 * L * ag(block)  # the root is gathered once (kept for backward), blocks twice
+    # iteration 0 follows the evaluation at iteration 0, which left the root gathered
+    expected_ag = (steps * micro * per_micro - ag(root)) / steps
+    expected_rs = ag(root) + L * ag(block)  # once per step; its input is the unsharded gradient
+    with open(tmp_path / "metrics.jsonl") as f:
+        comm = next(r for r in map(json.loads, f) if r.get("event") == "comm_per_step")
+    assert comm["all_gather_bytes"] == pytest.approx(expected_ag, rel=1e-12)
+    assert comm["reduce_scatter_bytes"] == expected_rs
+    assert comm["reduce_scatter_count"] == L + 1
