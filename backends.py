@@ -37,6 +37,7 @@ def make_backend(name, cfg):
 
 class Backend:
     sharded = False
+    loss_scaling = False  # float16 under DDP: overflowing steps are expected and skipped by the scaler
 
     def __init__(self, cfg):
         self.cfg = cfg
@@ -81,7 +82,8 @@ class DDPBackend(Backend):
         if cfg["cpu_offload"] or cfg["replicate_degree"] != 1:
             raise BackendError("cpu_offload and replicate_degree apply to the sharded backends only")
         # float16 needs loss scaling to keep small gradients from underflowing
-        self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.dtype == torch.float16)
+        self.loss_scaling = self.dtype == torch.float16
+        self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.loss_scaling)
 
     def autocast(self):
         if self.dtype == torch.float32:

@@ -14,7 +14,7 @@ import os
 import resource
 import sys
 import time
-from contextlib import nullcontext
+from datetime import timedelta
 
 import numpy as np
 import torch
@@ -76,6 +76,9 @@ prefetch = True  # gather the next unit while this one computes
 replicate_degree = 1  # HSDP: >1 replicates over this many groups and shards inside each
 cpu_offload = False  # keep sharded params, grads and optimizer state in CPU memory (CUDA only)
 activation_checkpointing = False  # recompute each block's activations in backward (any backend)
+# failures
+dist_timeout_s = 600  # a collective waiting longer than this aborts the job instead of hanging
+on_nonfinite = "stop"  # non-finite loss or grad norm: 'stop' (exit, naming the iteration) or 'skip' the step
 # system
 device = "cuda" if torch.cuda.is_available() else "cpu"  # 'cpu', 'cuda', 'cuda:0', ...
 dtype = "bfloat16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "float32"
@@ -94,7 +97,7 @@ if ddp_launch:
     if device.startswith("cuda"):
         device = f"cuda:{local_rank}"
         torch.cuda.set_device(device)
-    dist.init_process_group(backend if device.startswith("cuda") else "gloo")
+    dist.init_process_group(backend if device.startswith("cuda") else "gloo", timeout=timedelta(seconds=dist_timeout_s))
 elif dist_backend != "ddp":  # FSDP needs a process group, even a group of one
     rank, local_rank, world_size = 0, 0, 1
     dist.init_process_group("gloo" if device == "cpu" else backend, store=dist.HashStore(), rank=0, world_size=1)
@@ -117,13 +120,20 @@ try:
     back = make_backend(dist_backend, config)
 except BackendError as e:
     fail(str(e))
+if on_nonfinite not in ("stop", "skip"):
+    fail(f"unknown on_nonfinite '{on_nonfinite}' (choose stop or skip)")
 if gradient_accumulation_steps % world_size:
     fail(f"gradient_accumulation_steps={gradient_accumulation_steps} is not divisible by the world size {world_size}")
 local_steps = gradient_accumulation_steps // world_size  # micro-batches on this rank per step
 tokens_per_iter = gradient_accumulation_steps * batch_size * block_size
 if master:
     print(f"{dist_backend} on {world_size} process(es); tokens per iteration: {tokens_per_iter:,}")
+try:
     os.makedirs(out_dir, exist_ok=True)
+    if not os.access(out_dir, os.W_OK):
+        raise PermissionError
+except OSError:
+    fail(f"out_dir {out_dir} is not writable")
 device_type = "cuda" if device.startswith("cuda") else "cpu"
 torch.backends.cuda.matmul.allow_tf32 = True
 torch.backends.cudnn.allow_tf32 = True
@@ -151,6 +161,11 @@ iter_num, best_val_loss = 0, 1e9
 model_args = dict(n_layer=n_layer, n_head=n_head, n_embd=n_embd, block_size=block_size, bias=bias,
                   vocab_size=None, dropout=dropout, activation_checkpointing=activation_checkpointing)
 pretrained = None
+if init_from == "scratch" and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0 \
+        and os.path.exists(os.path.join(out_dir, "latest")):
+    init_from = "resume"  # torchrun restarted us after a failure: continue from the last checkpoint
+    if master:
+        print(f"restart {os.environ['TORCHELASTIC_RESTART_COUNT']}: resuming from the last checkpoint")
 if init_from == "scratch":
     meta_path = os.path.join(data_dir, "meta.pkl")
     if os.path.exists(meta_path):
@@ -163,9 +178,11 @@ elif init_from == "resume":
         ckpt_path, manifest = checkpoint.load_manifest(out_dir)
     except checkpoint.CheckpointError as e:
         fail(str(e))
-    # the architecture comes from the checkpoint; dropout and checkpointing may change on resume
-    keep = ("dropout", "activation_checkpointing")
-    model_args.update({k: v for k, v in manifest["model_args"].items() if k not in keep})
+    # the architecture must be the checkpoint's; dropout and checkpointing may change on resume
+    for k in ("n_layer", "n_head", "n_embd", "block_size", "bias"):
+        if manifest["model_args"][k] != model_args[k]:
+            fail(f"checkpoint {ckpt_path} has {k}={manifest['model_args'][k]} but this run asks {k}={model_args[k]}")
+    model_args["vocab_size"] = manifest["model_args"]["vocab_size"]
 elif init_from.startswith("gpt2"):
     gptconf, pretrained = load_pretrained_gpt2(init_from, dropout)
     model_args.update(n_layer=gptconf.n_layer, n_head=gptconf.n_head, n_embd=gptconf.n_embd,
@@ -198,7 +215,10 @@ model = back.wrap(model, materialize)
 gpt = back.unwrap(model)
 optimizer = gpt.configure_optimizers(weight_decay, learning_rate, (beta1, beta2))
 if init_from == "resume":
-    checkpoint.load(ckpt_path, model, optimizer)
+    try:
+        checkpoint.load(ckpt_path, model, optimizer)
+    except Exception as e:  # DCP raises many kinds; the manifest checks caught the common ones
+        fail(f"cannot load checkpoint {ckpt_path}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
     iter_num, best_val_loss = manifest["iter_num"], manifest["best_val_loss"]
     if master:
         print(f"resumed from {ckpt_path} at iteration {iter_num}")
@@ -300,12 +320,21 @@ while True:
             loss = loss / local_steps  # mean over this rank's micro-batches; ranks average grads
         back.backward(loss)
         loss_sum += loss.detach()
-    grad_norm = back.clip_grad_norm(model, optimizer, grad_clip)
-    back.step(optimizer)
-    optimizer.zero_grad(set_to_none=True)
     if world_size > 1:
         dist.all_reduce(loss_sum)  # exact mean over the global batch, not rank 0's share
     loss_mean = loss_sum.item() / world_size
+    grad_norm = back.clip_grad_norm(model, optimizer, grad_clip)
+    # checked before the weights change (with float16's loss scaling an inf norm is routine: the scaler skips)
+    if not math.isfinite(loss_mean) or not (math.isfinite(grad_norm) or back.loss_scaling):
+        if on_nonfinite == "stop":
+            fail(f"non-finite loss {loss_mean} or grad norm {grad_norm} at iteration {iter_num}; "
+                 f"the last checkpoint in {out_dir} is untouched (on_nonfinite='skip' skips such steps)")
+        if master:
+            print(f"iter {iter_num}: non-finite loss {loss_mean} or grad norm {grad_norm}: step skipped")
+            log_metrics(iter=iter_num, event="skipped_nonfinite")
+    else:
+        back.step(optimizer)
+    optimizer.zero_grad(set_to_none=True)
     comm.add_step()
     obs.after_step()
     if len(memory_rows) == 1:
