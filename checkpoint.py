@@ -14,6 +14,7 @@ A crash mid-save leaves a `*.tmp` directory and `latest` still naming the previo
 import json
 import os
 import shutil
+import signal
 import sys
 import zlib
 
@@ -70,6 +71,8 @@ def save(out_dir, model, optimizer, meta, keep=2):
     _barrier()
     state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
     dcp.save(state, checkpoint_id=tmp)  # returns once every rank's shards and the metadata are written
+    if os.environ.get("CHECKPOINT_TEST_CRASH") == str(_rank()):  # tests: die before the commit
+        os.kill(os.getpid(), signal.SIGKILL)
     if _rank() == 0:
         manifest = {"format_version": FORMAT_VERSION, **meta, "files": _file_digests(tmp)}
         _write_atomic(os.path.join(tmp, "manifest.json"), json.dumps(manifest, indent=1))

@@ -97,10 +97,21 @@ class ShardedUnit:
 
     # ---- construction --------------------------------------------------------------------
     def _managed_params(self):
-        """Parameters under our modules not already owned by a nested unit, with every registration."""
-        found = {}
+        """Parameters under our modules not already owned by a nested unit, with every registration.
+
+        In FSDP2's order (children before a module's own parameters): gloo's reduction order
+        depends on an element's position in the buffer, so the same layout gives the same bits.
+        """
+        def post_order(module, seen):
+            seen.add(module)
+            for child in module.children():
+                if child not in seen:
+                    yield from post_order(child, seen)
+            yield module
+
+        found, seen = {}, set()
         for module in self.modules:
-            for sub in module.modules():
+            for sub in post_order(module, seen):
                 for name, p in sub._parameters.items():
                     if p is not None and not isinstance(p, DTensor):  # DTensor: a nested unit's
                         found.setdefault(p, []).append((sub, name))

@@ -12,11 +12,11 @@ so one broken mode does not hide the others.
 """
 import json
 import math
-import warnings
 import os
 import sys
 import time
 import traceback
+import warnings
 import zlib
 from pathlib import Path
 
@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.checkpoint.state_dict import StateDictOptions
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy as FSDP2MixedPrecision
 from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
@@ -31,7 +32,6 @@ from torch.distributed.tensor import DTensor
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-import fsdp_impl  # noqa: E402
 from fsdp_impl import MixedPrecisionPolicy as OurMixedPrecision  # noqa: E402
 from fsdp_impl import fully_shard as our_fully_shard  # noqa: E402
 from fsdp_impl.comm import ledger  # noqa: E402
@@ -155,14 +155,13 @@ def fsdp_modules(model):
     return [m for m in model.modules() if hasattr(m, "set_requires_gradient_sync")]
 
 
-def train(model, mode, *, micro=1, max_norm=HUGE, micro_setup=None, vocab=CFG["vocab_size"], seq=SEQ):
-    """STEPS optimizer steps of `micro` micro-steps each; returns (losses, grad norms, params)."""
+def run_steps(model, opt, mode, steps, *, micro=1, max_norm=HUGE, micro_setup=None, eval_after_step=False,
+              vocab=CFG["vocab_size"], seq=SEQ):
+    """Optimizer steps of `micro` micro-steps each; returns (losses, grad norms)."""
     rank = dist.get_rank()
     params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=LR, foreach=False)
-    initial = [p.full_tensor().detach().clone() for p in params]
     losses, norms = [], []
-    for step in range(STEPS):
+    for step in steps:
         for k in range(micro):
             if micro_setup is not None:
                 micro_setup(model, last=(k == micro - 1))
@@ -176,12 +175,35 @@ def train(model, mode, *, micro=1, max_norm=HUGE, micro_setup=None, vocab=CFG["v
         norms.append(norm.item())
         opt.step()
         opt.zero_grad()
+        if eval_after_step:  # as train.py's estimate_loss: a no_grad forward between steps
+            model.eval()
+            with torch.no_grad():
+                x, y = batch(mode + "/eval", rank, step, 0, vocab, seq)
+                losses.append(model(x, y)[1].item())
+                losses.append(model(x)[0].float().sum().item())  # the inference path (last position only)
+            model.train()
+    return losses, norms
+
+
+def train(model, mode, *, vocab=CFG["vocab_size"], seq=SEQ, **kw):
+    """STEPS optimizer steps; returns (losses, grad norms, final params, whether all params moved)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=LR, foreach=False)
+    initial = [p.full_tensor().detach().clone() for p in params]
+    losses, norms = run_steps(model, opt, mode, range(STEPS), vocab=vocab, seq=seq, **kw)
+    return (losses, norms, *final_params(model, initial))
+
+
+def final_params(model, initial):
+    for m in fsdp_modules(model):  # an eval forward leaves the root gathered (both implementations)
+        m.reshard()
+    params = [p for p in model.parameters() if p.requires_grad]
     final = {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
     # every trainable parameter moved: the comparison is not between two untouched inits
     # ("unused" in the odd model gets no grad, so AdamW leaves it alone, in both implementations)
     moved = all(not torch.equal(a, p.full_tensor()) for a, p, n in zip(initial, params, trained_names(model))
                 if not n.endswith("unused"))
-    return losses, norms, final, moved
+    return final, moved
 
 
 def trained_names(model):
@@ -339,6 +361,32 @@ def parity_modes(world, mesh1d, mesh2d):
                                        for p in model.parameters())
         return (*train(model, "meta_init"), extra)
     modes["meta_init"] = meta_init
+
+    @no_extra
+    def eval_between_steps(impl):
+        return train(build_gpt(impl, mesh1d), "eval_between_steps", eval_after_step=True)
+    modes["eval_between_steps"] = eval_between_steps
+
+    @no_extra
+    def resume(impl):
+        """Train a step, save with torch.distributed.checkpoint's state-dict API, load into a
+        model with other weights and a fresh optimizer, train on (what checkpoint.py does)."""
+        from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
+                                                             set_model_state_dict, set_optimizer_state_dict)
+        first = build_gpt(impl, mesh1d)
+        opt = torch.optim.AdamW(first.parameters(), lr=LR, foreach=False)
+        initial = [p.full_tensor().detach().clone() for p in first.parameters()]
+        losses, norms = run_steps(first, opt, "resume", range(1))
+        msd, osd = get_model_state_dict(first), get_optimizer_state_dict(first, opt)
+        msd = {k: v.full_tensor() for k, v in msd.items()}  # a full copy, as after a save and a load
+        second = build_gpt(impl, mesh1d)
+        second.init_weights(1)  # other weights: the load must overwrite them
+        opt2 = torch.optim.AdamW(second.parameters(), lr=LR, foreach=False)
+        set_model_state_dict(second, msd, options=StateDictOptions(full_state_dict=True))
+        set_optimizer_state_dict(second, opt2, osd)
+        l2, n2 = run_steps(second, opt2, "resume", range(1, STEPS))
+        return (losses + l2, norms + n2, *final_params(second, initial))
+    modes["resume"] = resume
 
     @no_extra
     def grad_clip(impl):

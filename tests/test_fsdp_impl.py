@@ -87,8 +87,8 @@ def _no_error(section, what):
 # ---- parity with FSDP2 ----------------------------------------------------------------------
 PARITY_MODES = ["default", "grouped_blocks", "zero2", "grad_accum", "grad_accum_sync_each",
                 "no_reshard_after_backward", "no_reshard_after_backward_sync_on", "bf16_mp",
-                "bf16_grad_accum", "meta_init", "grad_clip", "activation_checkpointing",
-                "odd_model", "odd_model_frozen"]
+                "bf16_grad_accum", "meta_init", "eval_between_steps", "resume", "grad_clip",
+                "activation_checkpointing", "odd_model", "odd_model_frozen"]
 HSDP_MODES = ["hsdp", "hsdp_all_reduce_off"]
 MICRO_STEP_MODES = {"grad_accum", "grad_accum_sync_each", "no_reshard_after_backward",
                     "no_reshard_after_backward_sync_on", "bf16_grad_accum", "hsdp_all_reduce_off"}
@@ -99,7 +99,8 @@ PARITY_CASES = [(w, m) for w in WORLDS for m in PARITY_MODES] + [(4, m) for m in
 def test_parity_with_fsdp2(results, world, mode):
     r = results(world)["parity"][mode]
     _no_error(r, mode)
-    assert r["n_losses"] == STEPS * (MICRO if mode in MICRO_STEP_MODES else 1)
+    per_step = MICRO if mode in MICRO_STEP_MODES else 3 if mode == "eval_between_steps" else 1
+    assert r["n_losses"] == STEPS * per_step
     assert r["n_norms"] == STEPS
     assert r["losses_finite"] and r["min_gnorm"] > 0
     assert r["params_moved"], "training did not change the parameters: the comparison would be vacuous"
