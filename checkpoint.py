@@ -76,11 +76,13 @@ def save(out_dir, model, optimizer, meta, keep=2):
     if _rank() == 0:
         manifest = {"format_version": FORMAT_VERSION, **meta, "files": _file_digests(tmp)}
         _write_atomic(os.path.join(tmp, "manifest.json"), json.dumps(manifest, indent=1))
-        if os.path.exists(final):  # the same iteration saved again (e.g. right after a resume)
-            shutil.rmtree(final)
+        if os.path.exists(final):  # the same iteration saved again: keep the old one until replaced
+            shutil.rmtree(final + ".old", ignore_errors=True)
+            os.rename(final, final + ".old")
         os.rename(tmp, final)
         _write_atomic(os.path.join(out_dir, "latest"), os.path.basename(final))
-        complete = sorted(d for d in os.listdir(out_dir) if d.startswith("ckpt-") and not d.endswith(".tmp"))
+        shutil.rmtree(final + ".old", ignore_errors=True)
+        complete = sorted(d for d in os.listdir(out_dir) if d.startswith("ckpt-") and "." not in d)
         for old in complete[:-keep]:
             shutil.rmtree(os.path.join(out_dir, old))
     _barrier()
@@ -91,7 +93,9 @@ def latest_path(out_dir):
     if not os.path.exists(pointer):
         raise CheckpointError(f"no checkpoint in {out_dir} (no '{pointer}')")
     with open(pointer) as f:
-        return os.path.join(out_dir, f.read().strip())
+        path = os.path.join(out_dir, f.read().strip())
+    # a crash while replacing a checkpoint of the same iteration leaves the previous one as .old
+    return path if os.path.exists(path) or not os.path.exists(path + ".old") else path + ".old"
 
 
 def read_manifest(path, verify=True):

@@ -283,6 +283,7 @@ if wandb_log and master:
                group=wandb_run_name, config=config, resume="allow")
 
 # training loop: iterations iter_num .. max_iters-1; evaluate (and checkpoint) every eval_interval
+start_iter = iter_num  # a checkpoint of this iteration exists already (or it is 0)
 t0 = time.time()
 while True:
     lr = get_lr(iter_num)
@@ -295,7 +296,7 @@ while True:
             log_metrics(iter=iter_num, train_loss=losses["train"], val_loss=losses["val"])
             if wandb_log:
                 wandb.log({"iter": iter_num, "train/loss": losses["train"], "val/loss": losses["val"], "lr": lr})
-        if iter_num > 0 and (losses["val"] < best_val_loss or always_save_checkpoint):
+        if iter_num > start_iter and (losses["val"] < best_val_loss or always_save_checkpoint):
             best_val_loss = min(best_val_loss, losses["val"])
             checkpoint.save(out_dir, model, optimizer, keep=keep_checkpoints, meta=dict(
                 iter_num=iter_num, best_val_loss=best_val_loss, model_args=model_args, config=config,

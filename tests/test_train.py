@@ -10,6 +10,7 @@ import json
 import math
 import os
 import pickle
+import shutil
 import sys
 from pathlib import Path
 
@@ -26,8 +27,11 @@ BACKENDS_W2 = ("ddp", "fsdp", "custom_fsdp")
 # config A: 2 global micro-batches, so at W=2 each rank runs exactly one and the gradient
 # average has 2 summands (exact); no clipping
 CONFIG_A = ["--gradient_accumulation_steps=2", "--grad_clip=0.0", "--max_iters=5", "--eval_interval=100"]
-# config B: 4 global micro-batches (2 per rank at W=2), clipping on; checkpoints at 4 and 8
-CONFIG_B = ["--gradient_accumulation_steps=4", "--grad_clip=1.0", "--max_iters=8", "--eval_interval=4"]
+# config B: 4 global micro-batches (2 per rank at W=2), clipping on; checkpoints at 4 and 8.
+# The tiny model's gradient norm is 0.64..0.77 over these steps, so grad_clip=1.0 would never
+# clip: 0.5 makes clipping scale every step (asserted below)
+GRAD_CLIP_B = 0.5
+CONFIG_B = ["--gradient_accumulation_steps=4", f"--grad_clip={GRAD_CLIP_B}", "--max_iters=8", "--eval_interval=4"]
 
 
 def train_ok(out, nproc, *args, timeout=300):
@@ -139,6 +143,9 @@ def test_parity_two_microbatches_per_rank_with_clipping(runs_b):
             # accumulation adds micro-step gradients in a different order on one rank than on
             # two: not bitwise, but the same within float32 rounding
             assert_close(losses(runs_b[other], key), fsdp, 1e-5, f"{key} {other} vs fsdp", relative=True)
+    # the norm is logged before clipping: above the threshold, so clipping really scaled the grads
+    norms = losses(runs_b["single"], "grad_norm")
+    assert all(v > GRAD_CLIP_B for v in norms.values()), norms
 
 
 # ---------------------------------------------------------------------------------------------
@@ -322,36 +329,44 @@ def test_damaged_checkpoint_is_refused_and_untouched(damage, nproc, runs_b, tiny
     assert snapshot(out) == before, "a refused resume changed files in out_dir"
 
 
-def test_checkpoint_export(runs_b, tmp_path):
-    import torch
-    from model import GPT, GPTConfig
-    out = clone_checkpoint(runs_b["fsdp"], 8, tmp_path / "out")
+@pytest.fixture(scope="module")
+def exported(runs_b, tmp_path_factory):
+    """`python checkpoint.py OUT_DIR` on a copy of the fsdp W=2 run's final checkpoint."""
+    out = clone_checkpoint(runs_b["fsdp"], 8, tmp_path_factory.mktemp("export") / "out")
     res = launch([sys.executable, REPO / "checkpoint.py", out], timeout=300)
     assert res.returncode == 0, res.describe()
-    exported = torch.load(out / "ckpt.pt", map_location="cpu", weights_only=False)
-    assert exported["iter_num"] == 8
-    gpt = GPT(GPTConfig(**exported["model_args"]))
-    gpt.load_state_dict(exported["model"])  # strict: every key, every shape
-    # the same weights as the sharded checkpoint holds (read back through DCP directly)
+    return out
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_checkpoint_export(exported):
+    import torch
+    from model import GPT, GPTConfig
     import checkpoint
-    ref = GPT(GPTConfig(**exported["model_args"]))
-    checkpoint.load_model_only(str(out / "ckpt-0000008"), ref)
+    saved = torch.load(exported / "ckpt.pt", map_location="cpu", weights_only=False)
+    assert saved["iter_num"] == 8
+    gpt = GPT(GPTConfig(**saved["model_args"]))
+    gpt.load_state_dict(saved["model"])  # strict: every key, every shape
+    # the same weights as the sharded checkpoint holds (read back through DCP directly)
+    ref = GPT(GPTConfig(**saved["model_args"]))
+    checkpoint.load_model_only(str(exported / "ckpt-0000008"), ref)
     for (name, a), (_, b) in zip(gpt.state_dict().items(), ref.state_dict().items()):
         assert torch.equal(a, b), name
+    assert gpt.lm_head.weight is gpt.transformer.wte.weight  # still tied after loading
     # trained: not the initial weights
-    init = GPT(GPTConfig(**exported["model_args"]))
+    init = GPT(GPTConfig(**saved["model_args"]))
     init.init_weights(1337)
     assert not torch.equal(init.lm_head.weight, gpt.lm_head.weight)
 
 
-def test_sample_loads_export(runs_b, tmp_path):
+def test_sample_loads_export(exported, tmp_path):
     if not (REPO / "sample.py").exists():
         pytest.skip("sample.py does not exist yet")
-    out = clone_checkpoint(runs_b["ddp"], 8, tmp_path / "out")
-    res = launch([sys.executable, REPO / "checkpoint.py", out], timeout=300)
-    assert res.returncode == 0, res.describe()
-    res = launch([sys.executable, REPO / "sample.py", f"--out_dir={out}", "--device=cpu", "--num_samples=1",
-                  "--max_new_tokens=20", "--start=ROMEO:"], timeout=300)
+    only_pt = tmp_path / "only_pt"  # nothing but the export: no checkpoint directory to fall back on
+    only_pt.mkdir()
+    shutil.copy(exported / "ckpt.pt", only_pt / "ckpt.pt")
+    res = launch([sys.executable, REPO / "sample.py", f"--out_dir={only_pt}", "--device=cpu",
+                  "--num_samples=1", "--max_new_tokens=20", "--start=ROMEO:"], timeout=300)
     assert res.returncode == 0, res.describe()
     # decoded with the run's own character table: the prompt comes back, then 20 characters
     text = res.stdout.split("\n---------------\n")[0]

@@ -1,0 +1,221 @@
+"""Beyond one launcher and through failures: two torchrun "nodes" on one machine, a rank killed
+mid-training and mid-save, elastic restart, checkpoint rotation, non-finite losses, and the
+bad-input cases of resuming. Every process started here is killed on the way out."""
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, launch, launcher, losses, run_train, subprocess_env
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start(cmd, env=None):
+    return subprocess.Popen([str(c) for c in cmd], cwd=REPO, env={**subprocess_env(), **(env or {})},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def finish(proc, timeout):
+    """Wait for a started launcher; on timeout kill its process group and fail."""
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"did not finish within {timeout}s\n{err[-4000:]}")
+    return proc.returncode, out, err
+
+
+def children(pid):
+    """PIDs whose parent is `pid` (torchrun's workers)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(entry))
+    return found
+
+
+def wait_for_checkpoint(out_dir, proc, timeout=120):
+    deadline = time.time() + timeout
+    while not (Path(out_dir) / "latest").exists():
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        assert time.time() < deadline, "no checkpoint appeared"
+        time.sleep(0.2)
+
+
+@pytest.fixture(scope="module")
+def args(tiny_args):
+    return [*tiny_args, "--gradient_accumulation_steps=4", "--eval_interval=4", "--max_iters=12"]
+
+
+@pytest.fixture(scope="module")
+def unbroken(args, tmp_path_factory):
+    """The reference: custom_fsdp at world size 2, 12 iterations without a failure."""
+    out = tmp_path_factory.mktemp("unbroken")
+    res = run_train(out, 2, *args, "--dist_backend=custom_fsdp")
+    assert res.returncode == 0, res.describe()
+    return losses(out)
+
+
+@pytest.mark.parametrize("backend", ["custom_fsdp", "fsdp"])
+def test_two_launchers_as_two_nodes_match_one_launcher(backend, args, tmp_path):
+    port = free_port()
+    nodes = []
+    for node_rank in (0, 1):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=2",
+               f"--node_rank={node_rank}", "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}",
+               REPO / "train.py", f"--out_dir={tmp_path / 'multi'}", "--device=cpu", *args,
+               "--max_iters=4", f"--dist_backend={backend}"]
+        nodes.append(start(cmd))
+    for proc in nodes:
+        code, _, err = finish(proc, 300)
+        assert code == 0, err[-4000:]
+    res = run_train(tmp_path / "single", 4, *args, "--max_iters=4", f"--dist_backend={backend}")
+    assert res.returncode == 0, res.describe()
+    # same world size, same global ranks: the same arithmetic, so the same bits
+    assert losses(tmp_path / "multi") == losses(tmp_path / "single")
+
+
+def test_hsdp_across_nodes_matches_plain_fsdp(args, tmp_path):
+    """replicate_degree=2 at world size 4: shard inside each "node", all-reduce across them.
+    AVG over 2 then over 2 is not the same rounding as AVG over 4: equal to 1e-6, not bitwise."""
+    for name, extra in (("hsdp", ["--replicate_degree=2"]), ("fsdp", [])):
+        res = run_train(tmp_path / name, 4, *args, "--max_iters=4", "--dist_backend=custom_fsdp", *extra)
+        assert res.returncode == 0, res.describe()
+    hsdp, fsdp = losses(tmp_path / "hsdp"), losses(tmp_path / "fsdp")
+    assert hsdp.keys() == fsdp.keys()
+    assert max(abs(hsdp[i] - fsdp[i]) for i in hsdp) <= 1e-6
+
+
+def kill_one_worker_after_first_checkpoint(out_dir, cmd, env=None):
+    proc = start(cmd, env)
+    wait_for_checkpoint(out_dir, proc)
+    workers = children(proc.pid)
+    assert workers, "torchrun has no workers"
+    os.kill(workers[-1], signal.SIGKILL)
+    t0 = time.time()
+    return proc, t0
+
+
+def test_sigkill_mid_training_stops_the_job_and_resume_is_exact(args, unbroken, tmp_path):
+    cmd = launcher(2) + [REPO / "train.py", f"--out_dir={tmp_path}", "--device=cpu", *args, "--dist_backend=custom_fsdp"]
+    proc, t0 = kill_one_worker_after_first_checkpoint(tmp_path, cmd)
+    code, _, _ = finish(proc, 120)
+    assert code != 0 and time.time() - t0 < 60  # torchrun tears the other rank down: no hang
+    res = run_train(tmp_path, 2, *args, "--dist_backend=custom_fsdp", "--init_from=resume")
+    assert res.returncode == 0, res.describe()
+    resumed = losses(tmp_path)
+    start_iter = int((tmp_path / "latest").read_text().split("-")[1])
+    assert all(resumed[i] == unbroken[i] for i in range(4, 12)), (resumed, unbroken, start_iter)
+
+
+def test_sigkill_mid_save_keeps_the_previous_checkpoint(args, unbroken, tmp_path):
+    """Rank 0 (which commits) dies after the shards of iteration 8 are written, before the commit."""
+    res = run_train(tmp_path, 2, *args, "--dist_backend=custom_fsdp", "--max_iters=4")
+    assert res.returncode == 0, res.describe()
+    cmd = launcher(2) + [REPO / "train.py", f"--out_dir={tmp_path}", "--device=cpu", *args,
+                         "--dist_backend=custom_fsdp", "--init_from=resume", "--max_iters=8"]
+    t0 = time.time()
+    code, _, _ = finish(start(cmd, {"CHECKPOINT_TEST_CRASH": "0"}), 120)
+    assert code != 0 and time.time() - t0 < 90
+    assert (tmp_path / "latest").read_text() == "ckpt-0000004"
+    assert (tmp_path / "ckpt-0000008.tmp").exists() and not (tmp_path / "ckpt-0000008").exists()
+    res = run_train(tmp_path, 2, *args, "--dist_backend=custom_fsdp", "--init_from=resume")
+    assert res.returncode == 0, res.describe()
+    resumed = losses(tmp_path)
+    assert all(resumed[i] == unbroken[i] for i in range(12))
+
+
+def test_elastic_restart_continues_from_the_last_checkpoint(args, unbroken, tmp_path):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "--max_restarts=1",
+           REPO / "train.py", f"--out_dir={tmp_path}", "--device=cpu", *args, "--dist_backend=custom_fsdp"]
+    proc, _ = kill_one_worker_after_first_checkpoint(tmp_path, cmd)
+    code, out, err = finish(proc, 300)
+    assert code == 0, err[-4000:]
+    assert "resuming from the last checkpoint" in out
+    assert losses(tmp_path) == unbroken  # later rows (after the restart) win for repeated iterations
+
+
+def test_keeps_the_last_k_checkpoints(args, tmp_path):
+    res = run_train(tmp_path, 1, *args, "--dist_backend=custom_fsdp", "--eval_interval=2", "--max_iters=8",
+                    "--keep_checkpoints=2")
+    assert res.returncode == 0, res.describe()
+    assert sorted(p.name for p in tmp_path.glob("ckpt-*")) == ["ckpt-0000006", "ckpt-0000008"]
+    manifest = json.loads((tmp_path / "ckpt-0000008" / "manifest.json").read_text())
+    assert manifest["world_size"] == 1 and manifest["dist_backend"] == "custom_fsdp"
+    assert manifest["iter_num"] == 8 and manifest["model_args"]["n_layer"] == 2
+    assert all(f["bytes"] > 0 for f in manifest["files"].values())
+
+
+def one_error_line(res):
+    lines = [line for line in res.stderr.splitlines() if line.startswith("error:")]
+    assert res.returncode != 0 and len(lines) == 1, res.describe()
+    return lines[0]
+
+
+def test_nonfinite_loss_stops_naming_the_iteration_and_keeps_the_checkpoint(args, tmp_path):
+    res = run_train(tmp_path, 2, *args, "--dist_backend=custom_fsdp", "--max_iters=4")
+    assert res.returncode == 0, res.describe()
+    before = {p.name: p.read_bytes() for p in (tmp_path / "ckpt-0000004").iterdir()}
+    bad = ["--learning_rate=1e9", "--warmup_iters=0", "--decay_lr=False", "--grad_clip=0.0"]
+    res = run_train(tmp_path, 2, *args, "--dist_backend=custom_fsdp", "--init_from=resume", *bad)
+    line = one_error_line(res)
+    assert "non-finite" in line and "at iteration" in line
+    assert (tmp_path / "latest").read_text() == "ckpt-0000004"
+    assert {p.name: p.read_bytes() for p in (tmp_path / "ckpt-0000004").iterdir()} == before
+    res = run_train(tmp_path / "skip", 1, *args, "--dist_backend=custom_fsdp", "--max_iters=3",
+                    "--on_nonfinite=skip", *bad)
+    assert res.returncode == 0, res.describe()
+    assert "step skipped" in res.stdout
+
+
+@pytest.fixture(scope="module")
+def saved(args, tmp_path_factory):
+    out = tmp_path_factory.mktemp("saved")
+    res = run_train(out, 2, *args, "--dist_backend=custom_fsdp", "--max_iters=4")
+    assert res.returncode == 0, res.describe()
+    return out
+
+
+def test_resume_rejects_a_different_model_shape(args, saved):
+    line = one_error_line(run_train(saved, 2, *args, "--dist_backend=custom_fsdp", "--init_from=resume", "--n_embd=64"))
+    assert "n_embd=32" in line and "n_embd=64" in line
+
+
+def test_resume_rejects_a_newer_format_version(args, saved, tmp_path):
+    out = tmp_path / "newer"
+    subprocess.run(["cp", "-r", str(saved), str(out)], check=True)
+    manifest_path = out / "ckpt-0000004" / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    manifest["format_version"] = 99
+    manifest_path.write_text(json.dumps(manifest))
+    assert "format version 99" in one_error_line(run_train(out, 1, *args, "--dist_backend=ddp", "--init_from=resume"))
+
+
+def test_resume_with_a_world_size_that_does_not_divide_accumulation(args, saved):
+    line = one_error_line(run_train(saved, 3, *args, "--dist_backend=custom_fsdp", "--init_from=resume"))
+    assert "not divisible by the world size 3" in line
+
+
+def test_out_dir_not_writable(args, tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    line = one_error_line(launch(launcher(None) + [REPO / "train.py", f"--out_dir={blocker / 'out'}",
+                                                   "--device=cpu", *args], timeout=120))
+    assert "not writable" in line
