@@ -112,7 +112,7 @@ def sweep(args, extra):
     for b in args.backends:
         for w in (1, 2, 4):
             run = summarize_run(run_train(b, w, os.path.join(args.work_dir, f"{b}-w{w}"), args.steps,
-                                          [f"--gradient_accumulation_steps=4"] + extra))
+                                          ["--gradient_accumulation_steps=4"] + extra))
             out[f"{b}-w{w}"] = run
             base = out[f"{b}-w1"]
             print(f"  {b:12} W={w}: params+optim {fmt(run['state_mb'], base['state_mb'])} MB, "

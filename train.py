@@ -97,7 +97,14 @@ if ddp_launch:
     if device.startswith("cuda"):
         device = f"cuda:{local_rank}"
         torch.cuda.set_device(device)
-    dist.init_process_group(backend if device.startswith("cuda") else "gloo", timeout=timedelta(seconds=dist_timeout_s))
+    timeout, store, restart = timedelta(seconds=dist_timeout_s), None, os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    if restart != "0" and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        # torchrun's store still holds the failed attempt's keys (peers' old addresses): use a fresh namespace
+        agent_store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
+                                    is_master=False, timeout=timeout)
+        store = dist.PrefixStore(f"attempt{restart}", agent_store)
+    dist.init_process_group(backend if device.startswith("cuda") else "gloo", timeout=timeout, store=store,
+                            rank=rank if store else -1, world_size=world_size if store else -1)
 elif dist_backend != "ddp":  # FSDP needs a process group, even a group of one
     rank, local_rank, world_size = 0, 0, 1
     dist.init_process_group("gloo" if device == "cpu" else backend, store=dist.HashStore(), rank=0, world_size=1)

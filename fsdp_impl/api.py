@@ -13,7 +13,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.utils._pytree import tree_leaves, tree_map_only
 

@@ -185,7 +185,7 @@ class ShardedUnit:
                 ps.sharded.to_local().untyped_storage().data_ptr() == self.flat_shard.untyped_storage().data_ptr()
                 for ps in self.params):
             return
-        device = self.params[0].sharded.device
+        device = torch.device("cpu") if self.offload else self.params[0].sharded.device
         flat = torch.zeros(self.shard_numel, dtype=self.dtype, device=device)
         if self.offload:
             flat = flat.pin_memory()

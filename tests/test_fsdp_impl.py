@@ -14,16 +14,12 @@ the buffer changes some bits at 4 ranks), so bitwise parity also needs FSDP2's p
 inside each unit's flat buffer; test_flat_layout_matches_fsdp2 checks that order directly.
 """
 import json
-import os
-import signal
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+from conftest import REPO, launch, launcher
+
 WORKER = REPO / "tests" / "fsdp_worker.py"
 WORLDS = (1, 2, 3, 4)
 LAUNCH_TIMEOUT_S = 300
@@ -37,35 +33,15 @@ _results = {}
 
 
 def _launch(world, out_dir):
-    """Run the worker under torchrun; on timeout kill its whole process group (no orphans)."""
+    """Run the worker under torchrun (conftest.launch kills its process group on timeout)."""
     out = out_dir / f"fsdp_w{world}.json"
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
-           str(WORKER), str(out)]
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            start_new_session=True)
-    try:
-        log, _ = proc.communicate(timeout=LAUNCH_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            log, _ = proc.communicate(timeout=20)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            log, _ = proc.communicate()
-        pytest.fail(f"worker at world size {world} timed out after {LAUNCH_TIMEOUT_S}s:\n"
-                    f"{log.decode(errors='replace')[-6000:]}")
-    except BaseException:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-        raise
-    log = log.decode(errors="replace")
-    if proc.returncode != 0 or not out.exists():
-        pytest.fail(f"worker at world size {world} exited with {proc.returncode}:\n{log[-6000:]}")
-    res = json.loads(out.read_text())
-    res["launch_s"] = time.perf_counter() - t0
-    return res
+    res = launch(launcher(world) + [WORKER, out], timeout=LAUNCH_TIMEOUT_S)
+    if res.returncode != 0 or not out.exists():
+        pytest.fail(f"worker at world size {world}: {res.describe()}")
+    report = json.loads(out.read_text())
+    report["launch_s"] = time.perf_counter() - t0
+    return report
 
 
 @pytest.fixture(scope="module")
