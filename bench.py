@@ -49,7 +49,9 @@ def summarize_run(rows):
     steps = [r for r in rows if "loss" in r][2:]
     memory = {r["stage"]: r for r in rows if r.get("event") == "memory"}
     comm = next(r for r in rows if r.get("event") == "comm_per_step")
-    end = memory["end"]
+    # ru_maxrss never falls, so the first step's figure is the training peak without the final
+    # checkpoint save (which stages tensors for writing)
+    end = memory["after first step"]
     return {
         "step_ms": statistics.median(r["dt_ms"] for r in steps),
         "tokens_per_sec": statistics.median(r["tokens_per_sec"] for r in steps),

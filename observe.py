@@ -4,10 +4,14 @@ per step, profiler traces and memory snapshots of a few steps. train.py owns one
 
     --profile=True          Chrome/Perfetto traces, one per rank: out_dir/traces/<backend>/rank<R>.json
     --memory_snapshot=True  CUDA: torch.cuda.memory history, out_dir/memory/rank<R>.pickle (open it
-                            at pytorch.org/memory_viz); CPU: a profiler memory timeline, rank<R>.html
+                            at pytorch.org/memory_viz); CPU: a trace with every allocation and the
+                            memory in use as a counter track, rank<R>.json (open it in Perfetto).
+                            (The profiler's own export_memory_timeline asserts on fsdp_impl's
+                            storage resizing, so it is not used.)
 """
 import os
 import resource
+import shutil
 
 import torch
 import torch.distributed as dist
@@ -100,14 +104,14 @@ class Observer:
         if self.steps == PROFILE_STEPS[0] and self.memory_snapshot and self.cuda:
             torch.cuda.memory._record_memory_history(max_entries=200_000)
         # the profiler starts one step early: that warm-up step opens the first ProfilerStep range
-        if self.steps == PROFILE_STEPS[0] - 1 and self.profile or (self.memory_snapshot and not self.cuda):
+        if self.steps == PROFILE_STEPS[0] - 1 and (self.profile or (self.memory_snapshot and not self.cuda)):
             acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if self.cuda else [])
             mem = self.memory_snapshot and not self.cuda
-            # the schedule makes each step a ProfilerStep#N range, which fsdp_impl.overlap reads
-            active = PROFILE_STEPS[1] - PROFILE_STEPS[0]
+            # the schedule makes each step a ProfilerStep#N range, which fsdp_impl.overlap reads;
+            # its active window outlasts ours, so the results are exported once, in finish()
             self.profiler = torch.profiler.profile(
-                activities=acts, schedule=torch.profiler.schedule(wait=0, warmup=1, active=active),
-                on_trace_ready=self._export, record_shapes=mem, profile_memory=mem, with_stack=mem)
+                activities=acts, schedule=torch.profiler.schedule(wait=0, warmup=1, active=1_000_000),
+                record_shapes=mem, profile_memory=mem, with_stack=mem)
             self.profiler.start()
 
     def _path(self, *parts):
@@ -115,23 +119,22 @@ class Observer:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         return path
 
-    def _export(self, prof):
-        if self.profile:
-            prof.export_chrome_trace(self._path("traces", self.backend_name, f"rank{self.rank}.json"))
-        if self.memory_snapshot and not self.cuda:
-            prof.export_memory_timeline(self._path("memory", f"rank{self.rank}.html"), device="cpu")
-
     def after_step(self):
         self.steps += 1
-        if self.profiler is not None:
-            self.profiler.step()
         if self.steps == PROFILE_STEPS[1]:
-            self.finish()
+            self.finish()  # (stepping first would open one more, empty, ProfilerStep range)
+        elif self.profiler is not None:
+            self.profiler.step()
 
     def finish(self):
-        """Close the window early if the run ended inside it."""
+        """Write what was recorded (also when the run ended inside the window)."""
         if self.profiler is not None:
             self.profiler.stop()
+            paths = ([self._path("traces", self.backend_name, f"rank{self.rank}.json")] if self.profile else []) + \
+                ([self._path("memory", f"rank{self.rank}.json")] if self.memory_snapshot and not self.cuda else [])
+            self.profiler.export_chrome_trace(paths[0])  # on CPU with memory: allocations as a counter track
+            for extra in paths[1:]:
+                shutil.copyfile(paths[0], extra)  # a trace can be exported only once
             self.profiler = None
         if self.memory_snapshot and self.cuda and self.steps > PROFILE_STEPS[0]:
             torch.cuda.memory._dump_snapshot(self._path("memory", f"rank{self.rank}.pickle"))

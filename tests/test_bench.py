@@ -61,7 +61,7 @@ def test_summarize_run_fields_and_medians():
     rows += [{"iter": i, "loss": 4.0 - i / 10, "grad_norm": 1.0, "lr": 1e-3, "dt_ms": dt,
               "tokens_per_sec": 1000.0 / dt, "mfu": None, "peak_mem_mb": 100.0}
              for i, dt in enumerate([900.0, 500.0, 10.0, 30.0, 20.0])]
-    rows += [{"event": "memory", "stage": "end", "rss_mb": 321.0, "params_mb": 2.0, "grads_mb": 0.0, "optim_mb": 4.0},
+    rows += [{"event": "memory", "stage": "after first step", "rss_mb": 321.0, "params_mb": 2.0, "grads_mb": 0.0, "optim_mb": 4.0},
              {"event": "comm_per_step", "all_gather_bytes": 2**21, "reduce_scatter_bytes": 2**20,
               "all_reduce_bytes": 4.0, "all_gather_count": 9, "reduce_scatter_count": 5, "all_reduce_count": 1}]
     s = bench.summarize_run(rows)
@@ -97,3 +97,25 @@ def test_collective_bytes_per_step_match_the_formula(backend, char_data, tmp_pat
     assert comm["all_gather_bytes"] == pytest.approx(expected_ag, rel=1e-12)
     assert comm["reduce_scatter_bytes"] == expected_rs
     assert comm["reduce_scatter_count"] == L + 1
+
+
+def test_train_writes_traces_memory_reports_and_a_memory_trace(char_data, tmp_path):
+    res = run_train(tmp_path, 2, f"--data_dir={char_data}", "--n_layer=2", "--n_head=2", "--n_embd=32",
+                    "--block_size=32", "--batch_size=2", "--max_iters=6", "--eval_iters=1",
+                    "--dist_backend=custom_fsdp", "--profile=True", "--memory_snapshot=True")
+    assert res.returncode == 0, res.describe()
+    for rank in (0, 1):
+        with open(tmp_path / "traces" / "custom_fsdp" / f"rank{rank}.json") as f:
+            trace = json.load(f)
+        rows = overlap.analyse(trace)
+        assert len(rows) == 3 and all(r["comm_ms"] > 0 and r["compute_ms"] > 0 for r in rows)
+        names = {e.get("name", "") for e in trace["traceEvents"]}
+        assert {"fsdp::all_gather transformer.h.0", "fsdp::reduce_scatter root"} <= names  # named FSDP phases
+        with open(tmp_path / "memory" / f"rank{rank}.json") as f:
+            assert any(e.get("name") == "[memory]" for e in json.load(f)["traceEvents"])
+    with open(tmp_path / "metrics.jsonl") as f:
+        memory = [r for r in map(json.loads, f) if r.get("event") == "memory"]
+    assert [r["stage"] for r in memory] == ["after model creation", "after first step", "end"]
+    assert all(r["rss_mb"] > 0 and r["params_mb"] > 0 for r in memory)
+    # AdamW: two moments per parameter (plus a 4-byte step counter each)
+    assert memory[-1]["optim_mb"] == pytest.approx(2 * memory[-1]["params_mb"], abs=1e-3)
