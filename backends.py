@@ -1,6 +1,7 @@
 """
 The one place where the distributed backends differ. train.py talks to a Backend only:
 
+    rank, world_size, device = init_distributed(...)  # join torchrun's process group
     backend = make_backend(name, cfg)                 # 'ddp' | 'fsdp' | 'custom_fsdp'
     model = backend.wrap(model, materialize)          # compile, shard, materialize weights on device
     with backend.autocast(): loss = model(x, y)       # mixed precision where the backend needs autocast
@@ -12,7 +13,9 @@ The one place where the distributed backends differ. train.py talks to a Backend
 `fsdp` is PyTorch's FSDP2 (torch.distributed.fsdp.fully_shard); `custom_fsdp` is ours
 (fsdp_impl), with the same API, so the two share one class and differ only in the import.
 """
+import os
 from contextlib import nullcontext
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -21,6 +24,31 @@ from torch.distributed.tensor import DTensor
 BACKENDS = ("ddp", "fsdp", "custom_fsdp")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 WRAP_POLICIES = ("block", "model", "size")
+
+
+def init_distributed(dist_backend, pg_backend, device, timeout_s):
+    """Join the process group torchrun describes (or make a group of one for FSDP without torchrun).
+
+    Returns (rank, world_size, device): one GPU per process on CUDA; gloo on CPU.
+    """
+    if "RANK" not in os.environ:
+        if dist_backend != "ddp":  # FSDP needs a process group, even a group of one
+            dist.init_process_group("gloo" if device == "cpu" else pg_backend, store=dist.HashStore(),
+                                    rank=0, world_size=1)
+        return 0, 1, device
+    rank, local_rank, world_size = (int(os.environ[k]) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
+    if device.startswith("cuda"):
+        device = f"cuda:{local_rank}"
+        torch.cuda.set_device(device)
+    timeout, store, restart = timedelta(seconds=timeout_s), None, os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    if restart != "0" and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        # torchrun's store still holds the failed attempt's keys (peers' old addresses): use a fresh namespace
+        agent_store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
+                                    is_master=False, timeout=timeout)
+        store = dist.PrefixStore(f"attempt{restart}", agent_store)
+    dist.init_process_group(pg_backend if device.startswith("cuda") else "gloo", timeout=timeout, store=store,
+                            rank=rank if store else -1, world_size=world_size if store else -1)
+    return rank, world_size, device
 
 
 class BackendError(ValueError):

@@ -14,7 +14,6 @@ import os
 import resource
 import sys
 import time
-from datetime import timedelta
 
 import numpy as np
 import torch
@@ -23,7 +22,7 @@ import torch.distributed as dist
 import checkpoint
 import configurator
 import observe
-from backends import BackendError, make_backend
+from backends import BackendError, init_distributed, make_backend
 from model import GPT, GPTConfig, load_pretrained_gpt2
 
 # -----------------------------------------------------------------------------
@@ -85,31 +84,13 @@ dtype = "bfloat16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported
 compile = False
 # observability (see observe.py)
 profile = False  # Chrome traces of a few steps under out_dir/traces/<dist_backend>/
-memory_snapshot = False  # CUDA memory history (or a CPU memory timeline) of a few steps
+memory_snapshot = False  # CUDA memory history of a few steps (CPU: their allocations, in a trace)
 # -----------------------------------------------------------------------------
 configurator.apply(globals(), sys.argv[1:])
 config = {k: v for k, v in globals().items() if not k.startswith("_") and isinstance(v, (int, float, bool, str))}
 
 # distributed setup: torchrun sets RANK/WORLD_SIZE; a plain `python train.py` is one process
-ddp_launch = int(os.environ.get("RANK", -1)) != -1
-if ddp_launch:
-    rank, local_rank, world_size = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"])
-    if device.startswith("cuda"):
-        device = f"cuda:{local_rank}"
-        torch.cuda.set_device(device)
-    timeout, store, restart = timedelta(seconds=dist_timeout_s), None, os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    if restart != "0" and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-        # torchrun's store still holds the failed attempt's keys (peers' old addresses): use a fresh namespace
-        agent_store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
-                                    is_master=False, timeout=timeout)
-        store = dist.PrefixStore(f"attempt{restart}", agent_store)
-    dist.init_process_group(backend if device.startswith("cuda") else "gloo", timeout=timeout, store=store,
-                            rank=rank if store else -1, world_size=world_size if store else -1)
-elif dist_backend != "ddp":  # FSDP needs a process group, even a group of one
-    rank, local_rank, world_size = 0, 0, 1
-    dist.init_process_group("gloo" if device == "cpu" else backend, store=dist.HashStore(), rank=0, world_size=1)
-else:
-    rank, local_rank, world_size = 0, 0, 1
+rank, world_size, device = init_distributed(dist_backend, backend, device, dist_timeout_s)
 master = rank == 0
 config["device"] = device
 
