@@ -88,16 +88,20 @@ def snapshot(path):
 # shared runs
 
 
-@pytest.fixture(scope="module")
-def runs_a(tmp_path_factory, tiny_args):
-    """Config A: one process (the global batch on one rank) and ddp/fsdp/custom_fsdp at W=2."""
-    base = tmp_path_factory.mktemp("config_a")
+def one_process_and_w2(base, tiny_args, config, single_backend):
+    """The global batch on one process, then ddp, fsdp and custom_fsdp at W=2."""
     out = {"single": base / "single"}
-    train_ok(out["single"], None, *tiny_args, *CONFIG_A, "--dist_backend=ddp")
+    train_ok(out["single"], None, *tiny_args, *config, f"--dist_backend={single_backend}")
     for b in BACKENDS_W2:
         out[b] = base / b
-        train_ok(out[b], 2, *tiny_args, *CONFIG_A, f"--dist_backend={b}")
+        train_ok(out[b], 2, *tiny_args, *config, f"--dist_backend={b}")
     return out
+
+
+@pytest.fixture(scope="module")
+def runs_a(tmp_path_factory, tiny_args):
+    """Config A: one process (the plain, unwrapped model: ddp at W=1) and the three at W=2."""
+    return one_process_and_w2(tmp_path_factory.mktemp("config_a"), tiny_args, CONFIG_A, "ddp")
 
 
 @pytest.fixture(scope="module")
@@ -105,14 +109,8 @@ def runs_b(tmp_path_factory, tiny_args):
     """Config B, 8 iterations with checkpoints at 4 and 8: one process and the three at W=2.
 
     The one process runs custom_fsdp (a process group of one), so it is also the W=1 run of the
-    world-size test; config A's one process is the plain, unwrapped model (ddp at W=1)."""
-    base = tmp_path_factory.mktemp("config_b")
-    out = {"single": base / "single"}
-    train_ok(out["single"], None, *tiny_args, *CONFIG_B, "--dist_backend=custom_fsdp")
-    for b in BACKENDS_W2:
-        out[b] = base / b
-        train_ok(out[b], 2, *tiny_args, *CONFIG_B, f"--dist_backend={b}")
-    return out
+    world-size test."""
+    return one_process_and_w2(tmp_path_factory.mktemp("config_b"), tiny_args, CONFIG_B, "custom_fsdp")
 
 
 # ---------------------------------------------------------------------------------------------
