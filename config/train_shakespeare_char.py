@@ -15,7 +15,7 @@ wandb_run_name = 'mini-gpt'
 
 # data: ~1M characters, so short contexts and small batches are plenty
 dataset = 'shakespeare_char'
-gradient_accumulation_steps = 1
+gradient_accumulation_steps = 4  # global micro-batches per step: divides 1, 2 or 4 processes
 batch_size = 12
 block_size = 64       # characters of context
 
