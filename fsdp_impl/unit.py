@@ -177,6 +177,9 @@ class ShardedUnit:
             ps.unsharded = nn.Parameter(view, requires_grad=ps.requires_grad)
             if ps.requires_grad:
                 ps.unsharded.register_post_accumulate_grad_hook(self._on_grad_ready)
+        # each parameter's padded full tensor as [W, rows per rank * row numel]: the copy-out targets
+        self._full_slots = [self.flat_full[ps.offset * self.world:(ps.offset + ps.padded_numel) * self.world]
+                            .view(self.world, -1) for ps in self.params]
         self.flat_full.untyped_storage().resize_(0)
 
     def _adopt_materialized_params(self):
@@ -225,10 +228,8 @@ class ShardedUnit:
             # copying into the views bumps their version counter; autograd saved these same
             # tensors in forward and must not see that as an in-place change
             with torch.autograd._unsafe_preserve_version_counter(self.flat_full):
-                torch.split_with_sizes_copy(
-                    output.view(self.world, self.shard_numel), [ps.padded_numel for ps in self.params], dim=1,
-                    out=[self.flat_full[ps.offset * self.world:(ps.offset + ps.padded_numel) * self.world]
-                         .view(self.world, -1) for ps in self.params])
+                torch.split_with_sizes_copy(output.view(self.world, self.shard_numel),
+                                            [ps.padded_numel for ps in self.params], dim=1, out=self._full_slots)
         for ps in self.params:
             ps.register(ps.unsharded)
         self.state = UNSHARDED
