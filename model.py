@@ -119,7 +119,7 @@ class GPT(nn.Module):
         gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
         if name.endswith("bias"):
             return torch.zeros(shape)
-        if ".ln_" in name or name.startswith("transformer.ln_f"):
+        if ".ln_" in name:  # ln_1, ln_2, ln_f
             return torch.ones(shape)  # LayerNorm weight
         # GPT-2 scales the residual projections by 1/sqrt(2 * n_layer)
         std = 0.02 / math.sqrt(2 * self.config.n_layer) if name.endswith("c_proj.weight") else 0.02

@@ -46,8 +46,6 @@ class Schedule:
     def backward_prefetch(self, unit):
         if unit.backward_prefetch is not None:
             return unit.backward_prefetch
-        if self.recording:  # first step: the forward we are in the backward of finished recording
-            return []
         return [self.next_backward[unit]] if unit in self.next_backward else []
 
     def queue_end_of_backward(self):

@@ -86,29 +86,30 @@ def test_parity_with_fsdp2(results, world, mode):
     assert r["param_diff"] == 0.0 and r["param_bitwise"], f"final parameters differ by up to {r['param_diff']}"
 
 
+def _extra(results, world, mode):
+    """The mode's additional checks, after making sure the mode ran."""
+    r = results(world)["parity"][mode]
+    _no_error(r, mode)
+    return r["extra"]
+
+
 @pytest.mark.parametrize("world", WORLDS)
 def test_meta_init_matches_plain_model(results, world):
-    x = results(world)["parity"]["meta_init"]
-    _no_error(x, "meta_init")
-    x = x["extra"]
+    x = _extra(results, world, "meta_init")
     assert x["meta_names_match"] and x["meta_on_cpu"]
     assert x["meta_init_diff"] == 0.0 and x["meta_init_bitwise"]
 
 
 @pytest.mark.parametrize("world", WORLDS)
 def test_state_dict_matches_fsdp2(results, world):
-    x = results(world)["parity"]["default"]
-    _no_error(x, "default")
-    x = x["extra"]
+    x = _extra(results, world, "default")
     assert x["ours_state_dict_dtensor"] and x["fsdp2_state_dict_dtensor"]
     assert x["state_dict_keys_match"] and x["state_dict_bitwise"]
 
 
 @pytest.mark.parametrize("world", WORLDS)
 def test_frozen_params_untouched(results, world):
-    x = results(world)["parity"]["odd_model_frozen"]
-    _no_error(x, "odd_model_frozen")
-    x = x["extra"]
+    x = _extra(results, world, "odd_model_frozen")
     for impl in ("fsdp2", "ours"):
         assert x[f"{impl}_n_frozen"] == 4  # frozen.weight and frozen.bias in each of 2 blocks
         assert x[f"{impl}_frozen_unchanged"] and x[f"{impl}_frozen_grad_none"]
