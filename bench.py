@@ -60,7 +60,8 @@ def summarize_run(rows):
         "reserved_mb": end.get("reserved_mb"),
         "state_mb": end["params_mb"] + end["optim_mb"],  # parameters + optimizer state per rank
         "all_gather_mb": comm["all_gather_bytes"] / 2**20,
-        "reduce_scatter_mb": comm["reduce_scatter_bytes"] / 2**20,
+        # fsdp_impl's reduce-scatter is an all-to-all on two gloo ranks (same input bytes)
+        "reduce_scatter_mb": (comm["reduce_scatter_bytes"] + comm["all_to_all_bytes"]) / 2**20,
         "all_reduce_mb": comm["all_reduce_bytes"] / 2**20,
         "loss": [r["loss"] for r in rows if "loss" in r][-1],
     }
