@@ -22,7 +22,7 @@ import torch.distributed as dist
 import checkpoint
 import configurator
 import observe
-from backends import BackendError, init_distributed, make_backend
+from backends import BackendError, init_distributed, make_backend, set_malloc_mmap_threshold
 from model import GPT, GPTConfig, load_pretrained_gpt2
 
 # -----------------------------------------------------------------------------
@@ -82,6 +82,7 @@ on_nonfinite = "stop"  # non-finite loss or grad norm: 'stop' (exit, naming the 
 device = "cuda" if torch.cuda.is_available() else "cpu"  # 'cpu', 'cuda', 'cuda:0', ...
 dtype = "bfloat16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "float32"
 compile = False
+malloc_mmap_threshold_mb = 4  # CPU: fixed glibc mmap threshold (see backends.py); 0 keeps glibc's default
 # observability (see observe.py)
 profile = False  # Chrome traces of a few steps under out_dir/traces/<dist_backend>/
 memory_snapshot = False  # CUDA memory history of a few steps (CPU: their allocations, in a trace)
@@ -123,6 +124,8 @@ try:
 except OSError:
     fail(f"out_dir {out_dir} is not writable")
 device_type = "cuda" if device.startswith("cuda") else "cpu"
+if device_type == "cpu":
+    set_malloc_mmap_threshold(malloc_mmap_threshold_mb)
 torch.backends.cuda.matmul.allow_tf32 = True
 torch.backends.cudnn.allow_tf32 = True
 

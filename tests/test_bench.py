@@ -3,6 +3,7 @@ table fields on synthetic metrics, and collective bytes per step against the for
 import json
 import math
 import os
+import subprocess
 import sys
 
 import pytest
@@ -62,7 +63,7 @@ def test_summarize_run_fields_and_medians():
               "tokens_per_sec": 1000.0 / dt, "mfu": None, "peak_mem_mb": 100.0}
              for i, dt in enumerate([900.0, 500.0, 10.0, 30.0, 20.0])]
     rows += [{"event": "memory", "stage": "after first step", "rss_mb": 321.0, "params_mb": 2.0, "grads_mb": 0.0, "optim_mb": 4.0},
-             {"event": "comm_per_step", "all_gather_bytes": 2**21, "reduce_scatter_bytes": 2**20,
+             {"event": "comm_per_step", "all_gather_bytes": 2**21, "reduce_scatter_bytes": 2**20, "all_to_all_bytes": 0,
               "all_reduce_bytes": 4.0, "all_gather_count": 9, "reduce_scatter_count": 5, "all_reduce_count": 1}]
     s = bench.summarize_run(rows)
     assert s["step_ms"] == 20.0  # median of the steps after the first two (warm-up)
@@ -88,15 +89,17 @@ def test_collective_bytes_per_step_match_the_formula(backend, char_data, tmp_pat
     block = [(3 * C, C), (3 * C,), (C, C), (C,), (4 * C, C), (4 * C,), (C, 4 * C), (C,), (C,), (C,), (C,), (C,)]
     root = [(V, C), (T, C), (C,), (C,)]  # wte (tied with lm_head), wpe, ln_f weight and bias
     ag = lambda shapes: W * shard_numel(shapes, W) * 4  # bytes of one unit's gathered buffer
-    per_micro = ag(root) + 2 * L * ag(block)  # the root is gathered once (kept for backward), blocks twice
-    # iteration 0 follows the evaluation at iteration 0, which left the root gathered
-    expected_ag = (steps * micro * per_micro - ag(root)) / steps
+    # the root and the last block are gathered once (kept for backward), the other blocks twice
+    per_micro = ag(root) + ag(block) + 2 * (L - 1) * ag(block)
+    # iteration 0 follows the evaluation at iteration 0, which left the root and the last block gathered
+    expected_ag = (steps * micro * per_micro - ag(root) - ag(block)) / steps
     expected_rs = ag(root) + L * ag(block)  # once per step; its input is the unsharded gradient
     with open(tmp_path / "metrics.jsonl") as f:
         comm = next(r for r in map(json.loads, f) if r.get("event") == "comm_per_step")
     assert comm["all_gather_bytes"] == pytest.approx(expected_ag, rel=1e-12)
-    assert comm["reduce_scatter_bytes"] == expected_rs
-    assert comm["reduce_scatter_count"] == L + 1
+    # custom_fsdp reduce-scatters as an all-to-all on two gloo ranks; either way once per unit
+    assert comm["reduce_scatter_bytes"] + comm["all_to_all_bytes"] == expected_rs
+    assert comm["reduce_scatter_count"] + comm["all_to_all_count"] == L + 1
 
 
 def test_train_writes_traces_memory_reports_and_a_memory_trace(char_data, tmp_path):
@@ -119,3 +122,28 @@ def test_train_writes_traces_memory_reports_and_a_memory_trace(char_data, tmp_pa
     assert all(r["rss_mb"] > 0 and r["params_mb"] > 0 for r in memory)
     # AdamW: two moments per parameter (plus a 4-byte step counter each)
     assert memory[-1]["optim_mb"] == pytest.approx(2 * memory[-1]["params_mb"], abs=1e-3)
+
+
+RETAINED_AFTER_FREE = """
+import sys, torch, backends
+backends.set_malloc_mmap_threshold(float(sys.argv[1]))
+anon = lambda: int(next(l for l in open("/proc/self/status") if l.startswith("RssAnon")).split()[1]) // 1024
+first = torch.ones(24 * 2**18)  # 24 MB, mapped; freeing it raises glibc's dynamic threshold to 24 MB
+del first
+base = anon()
+buffer = torch.ones(16 * 2**18)  # 16 MB: the heap under a raised threshold, its own mapping under 4 MB
+later = torch.ones(1024)  # allocated after it, so the heap cannot shrink past it
+del buffer
+print(anon() - base)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
+def test_malloc_threshold_returns_freed_buffers_to_the_os():
+    """train.py's malloc_mmap_threshold_mb on CPU: a freed 16 MB buffer leaves the process (4 MB)
+    instead of staying in glibc's heap (0: glibc's dynamic default)."""
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    retained = {mb: int(subprocess.run([sys.executable, "-c", RETAINED_AFTER_FREE, str(mb)], cwd=repo, check=True,
+                                       capture_output=True, text=True).stdout) for mb in (0, 4)}
+    assert retained[0] >= 12, retained
+    assert retained[4] <= 2, retained
