@@ -59,13 +59,15 @@ def set_malloc_mmap_threshold(mb):
     glibc raises its threshold (up to 32 MB) each time it frees a mapped buffer, after which
     freed multi-MB buffers (gradients, gathered parameters, optimizer temporaries) stay in its
     heap: at 47M parameters that held 130-180 MB more resident per process. A fixed threshold
-    costs page faults for each big allocation. Linux/glibc only; elsewhere (and with 0) a no-op.
+    costs page faults for each big allocation. It also freezes the trim threshold at 128 KB,
+    which would hand the heap's top back and fault it in again every step: keep 8x `mb` there.
+    Linux/glibc only; elsewhere (and with 0) a no-op.
     """
-    if mb <= 0 or not sys.platform.startswith("linux"):
+    mallopt = getattr(ctypes.CDLL(None), "mallopt", None) if sys.platform.startswith("linux") else None
+    if mb <= 0 or mallopt is None:
         return False
-    libc = ctypes.CDLL(None)
-    M_MMAP_THRESHOLD = -3  # from glibc's malloc.h
-    return bool(getattr(libc, "mallopt", lambda *_: 0)(M_MMAP_THRESHOLD, int(mb * 2**20)))
+    M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # from glibc's malloc.h
+    return bool(mallopt(M_MMAP_THRESHOLD, int(mb * 2**20)) and mallopt(M_TRIM_THRESHOLD, int(8 * mb * 2**20)))
 
 
 class BackendError(ValueError):

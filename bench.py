@@ -124,9 +124,12 @@ def sweep(args, extra):
 
 
 def comm_worker():
-    """Under torchrun: time all-gather and reduce-scatter by message size on this process group."""
+    """Under torchrun: time all-gather, reduce-scatter (the library's and fsdp_impl's) and
+    all-reduce (DDP's) by message size on this process group."""
     import torch
     import torch.distributed as dist
+    from fsdp_impl import comm
+    finish = lambda work: work.wait() if work is not None else None  # noqa: E731 (None: one rank)
     cuda = torch.cuda.is_available()
     dist.init_process_group("nccl" if cuda else "gloo")
     w, rank = dist.get_world_size(), dist.get_rank()
@@ -136,8 +139,12 @@ def comm_worker():
         numel = mb * 2**20 // 4
         full = torch.zeros(numel - numel % w, device=device)
         shard = torch.zeros(full.numel() // w, device=device)
-        for name, op in (("all_gather", lambda: dist.all_gather_single(full, shard)),
-                         ("reduce_scatter", lambda: dist.reduce_scatter_single(shard, full, op=dist.ReduceOp.AVG))):
+        # (name, run it, bytes moved per rank as a fraction of the full buffer: bus bandwidth)
+        ops = (("all_gather", lambda: dist.all_gather_single(full, shard), (w - 1) / w),
+               ("reduce_scatter", lambda: dist.reduce_scatter_single(shard, full, op=dist.ReduceOp.AVG), (w - 1) / w),
+               ("rs_fsdp_impl", lambda: finish(comm.reduce_scatter(shard, full, dist.group.WORLD)), (w - 1) / w),
+               ("all_reduce", lambda: dist.all_reduce(full), 2 * (w - 1) / w))
+        for name, op, moved in ops:
             op()  # warm-up
             times = []
             for _ in range(5):
@@ -149,8 +156,7 @@ def comm_worker():
                     torch.cuda.synchronize()
                 times.append(time.perf_counter() - t)
             dt = statistics.median(times)
-            # bus bandwidth: the bytes each rank must move, (W-1)/W of the full buffer, per second
-            rows.append({"op": name, "mb": mb, "ms": dt * 1e3, "busbw_gbps": full.numel() * 4 * (w - 1) / w / dt / 1e9})
+            rows.append({"op": name, "mb": mb, "ms": dt * 1e3, "busbw_gbps": full.numel() * 4 * moved / dt / 1e9})
     if rank == 0:
         print(json.dumps(rows))
     dist.destroy_process_group()
