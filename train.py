@@ -82,7 +82,7 @@ on_nonfinite = "stop"  # non-finite loss or grad norm: 'stop' (exit, naming the 
 device = "cuda" if torch.cuda.is_available() else "cpu"  # 'cpu', 'cuda', 'cuda:0', ...
 dtype = "bfloat16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "float32"
 compile = False
-malloc_mmap_threshold_mb = 4  # CPU: fixed glibc mmap threshold (see backends.py); 0 keeps glibc's default
+malloc_mmap_threshold_mb = 0  # CPU: >0 fixes glibc's mmap threshold (less RSS, slower; see backends.py)
 # observability (see observe.py)
 profile = False  # Chrome traces of a few steps under out_dir/traces/<dist_backend>/
 memory_snapshot = False  # CUDA memory history of a few steps (CPU: their allocations, in a trace)
