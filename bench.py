@@ -129,7 +129,11 @@ def comm_worker():
     import torch
     import torch.distributed as dist
     from fsdp_impl import comm
-    finish = lambda work: work.wait() if work is not None else None  # noqa: E731 (None: one rank)
+
+    def finish(work):  # fsdp_impl returns no handle on one rank
+        if work is not None:
+            work.wait()
+
     cuda = torch.cuda.is_available()
     dist.init_process_group("nccl" if cuda else "gloo")
     w, rank = dist.get_world_size(), dist.get_rank()

@@ -100,6 +100,10 @@ class Observer:
             row |= dict(zip(keys, values.tolist()))
         return row
 
+    def peak_mb(self):
+        """The peak so far: CUDA's max allocated on a GPU, else this process's peak RSS."""
+        return torch.cuda.max_memory_allocated() / 2**20 if self.cuda else rss_mb()
+
     def before_step(self):
         """Start tracing or memory history when the profiled window begins."""
         if self.steps == PROFILE_STEPS[0] and self.memory_snapshot and self.cuda:

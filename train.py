@@ -11,7 +11,6 @@ Every difference between them lives in backends.py; this loop never asks which o
 import json
 import math
 import os
-import resource
 import sys
 import time
 
@@ -248,12 +247,6 @@ def get_lr(it):
     return min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (learning_rate - min_lr)
 
 
-def peak_memory_mb():
-    if device_type == "cuda":
-        return torch.cuda.max_memory_allocated() / 2**20
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
-
-
 peak_flops = None
 if device_type == "cuda":
     name = torch.cuda.get_device_name()
@@ -337,7 +330,7 @@ while True:
     if master:
         mfu = gpt.estimate_mfu(local_steps * batch_size, dt, peak_flops)
         row = dict(iter=iter_num, loss=loss_mean, grad_norm=grad_norm, lr=lr, dt_ms=dt * 1000,
-                   tokens_per_sec=tokens_per_iter / dt, mfu=mfu, peak_mem_mb=peak_memory_mb())
+                   tokens_per_sec=tokens_per_iter / dt, mfu=mfu, peak_mem_mb=obs.peak_mb())
         log_metrics(**row)
         if wandb_log:
             wandb.log({"iter": iter_num, "train/loss_step": loss_mean, "grad_norm": grad_norm,
