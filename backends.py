@@ -53,6 +53,10 @@ def init_distributed(dist_backend, pg_backend, device, timeout_s):
     return rank, world_size, device
 
 
+def _glibc(function):
+    return getattr(ctypes.CDLL(None), function, None) if sys.platform.startswith("linux") else None
+
+
 def set_malloc_mmap_threshold(mb):
     """CPU memory: buffers of `mb` MB and more get their own mapping, returned to the OS when freed.
 
@@ -64,11 +68,24 @@ def set_malloc_mmap_threshold(mb):
     which would hand the heap's top back and fault it in again every step: keep 8x `mb` there.
     Linux/glibc only; elsewhere (and with 0) a no-op.
     """
-    mallopt = getattr(ctypes.CDLL(None), "mallopt", None) if sys.platform.startswith("linux") else None
+    mallopt = _glibc("mallopt")
     if mb <= 0 or mallopt is None:
         return False
     M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # from glibc's malloc.h
     return bool(mallopt(M_MMAP_THRESHOLD, int(mb * 2**20)) and mallopt(M_TRIM_THRESHOLD, int(8 * mb * 2**20)))
+
+
+def trim_malloc_heap():
+    """CPU memory: hand the free pages inside glibc's heap back to the OS (malloc_trim).
+
+    glibc only returns the top of its heap; the holes that freed buffers leave in the middle stay
+    resident, and across steps they add up (at 47M parameters custom_fsdp's peak grew from 880
+    MB after the first step to 1,040 MB by the ninth). train.py calls this after every step on
+    CPU: one call, a few ms, and the next step faults those pages in again. Linux/glibc only;
+    elsewhere a no-op. Returns whether anything was released.
+    """
+    malloc_trim = _glibc("malloc_trim")
+    return bool(malloc_trim(0)) if malloc_trim is not None else False
 
 
 class BackendError(ValueError):

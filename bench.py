@@ -49,19 +49,19 @@ def summarize_run(rows):
     steps = [r for r in rows if "loss" in r][2:]
     memory = {r["stage"]: r for r in rows if r.get("event") == "memory"}
     comm = next(r for r in rows if r.get("event") == "comm_per_step")
-    # ru_maxrss never falls, so the first step's figure is the training peak without the final
-    # checkpoint save (which stages tensors for writing)
-    end = memory["after first step"]
+    end = memory["after last step"]
     return {
         "step_ms": statistics.median(r["dt_ms"] for r in steps),
         "tokens_per_sec": statistics.median(r["tokens_per_sec"] for r in steps),
         "mfu": statistics.median(r["mfu"] for r in steps) if steps[0]["mfu"] is not None else None,
-        "peak_mem_mb": end.get("max_allocated_mb", end["rss_mb"]),  # CUDA allocator, else RSS
+        # the largest rank's peak over all training steps (CUDA max allocated, else RSS, which
+        # can grow after the first step as the heap fragments), before the final checkpoint save
+        "peak_mem_mb": end.get("max_allocated_mb", end["rss_mb"]),
         "reserved_mb": end.get("reserved_mb"),
         "state_mb": end["params_mb"] + end["optim_mb"],  # parameters + optimizer state per rank
         "all_gather_mb": comm["all_gather_bytes"] / 2**20,
-        # fsdp_impl's reduce-scatter is an all-to-all on two gloo ranks (same input bytes)
-        "reduce_scatter_mb": (comm["reduce_scatter_bytes"] + comm["all_to_all_bytes"]) / 2**20,
+        # the reduce-scatter's input; fsdp_impl's on two gloo ranks sends half of it to the peer
+        "reduce_scatter_mb": (comm["reduce_scatter_bytes"] + 2 * comm["send_bytes"]) / 2**20,
         "all_reduce_mb": comm["all_reduce_bytes"] / 2**20,
         "loss": [r["loss"] for r in rows if "loss" in r][-1],
     }

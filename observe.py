@@ -37,11 +37,11 @@ def model_state_mb(model, optimizer):
 
 class CommCounter:
     """Counts collectives and bytes issued through torch.distributed's Python API: everything
-    FSDP2 and fsdp_impl issue (fsdp_impl reduce-scatters through all_to_all on two gloo ranks).
-    DDP's C++ reducer is not seen (bench.py states its formula)."""
+    FSDP2 and fsdp_impl issue (on two gloo ranks fsdp_impl reduce-scatters by isend/irecv: `send`
+    counts what is sent). DDP's C++ reducer is not seen (bench.py states its formula)."""
     KINDS = {"all_gather_into_tensor": "all_gather", "all_gather_single": "all_gather",
              "reduce_scatter_tensor": "reduce_scatter", "reduce_scatter_single": "reduce_scatter",
-             "all_reduce": "all_reduce", "all_to_all_single": "all_to_all"}
+             "all_reduce": "all_reduce", "isend": "send"}
 
     def __init__(self):
         self.totals = {}

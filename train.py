@@ -21,7 +21,7 @@ import torch.distributed as dist
 import checkpoint
 import configurator
 import observe
-from backends import BackendError, init_distributed, make_backend, set_malloc_mmap_threshold
+from backends import BackendError, init_distributed, make_backend, set_malloc_mmap_threshold, trim_malloc_heap
 from model import GPT, GPTConfig, load_pretrained_gpt2
 
 # -----------------------------------------------------------------------------
@@ -81,6 +81,7 @@ on_nonfinite = "stop"  # non-finite loss or grad norm: 'stop' (exit, naming the 
 device = "cuda" if torch.cuda.is_available() else "cpu"  # 'cpu', 'cuda', 'cuda:0', ...
 dtype = "bfloat16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "float32"
 compile = False
+malloc_trim = True  # CPU: return glibc's freed heap pages to the OS after every step (lower peak RSS)
 malloc_mmap_threshold_mb = 0  # CPU: >0 fixes glibc's mmap threshold (less RSS, slower; see backends.py)
 # observability (see observe.py)
 profile = False  # Chrome traces of a few steps under out_dir/traces/<dist_backend>/
@@ -125,6 +126,7 @@ except OSError:
 device_type = "cuda" if device.startswith("cuda") else "cpu"
 if device_type == "cpu":
     set_malloc_mmap_threshold(malloc_mmap_threshold_mb)
+trim_heap_each_step = malloc_trim and device_type == "cpu"
 torch.backends.cuda.matmul.allow_tf32 = True
 torch.backends.cudnn.allow_tf32 = True
 
@@ -320,10 +322,14 @@ while True:
     else:
         back.step(optimizer)
     optimizer.zero_grad(set_to_none=True)
+    if trim_heap_each_step:
+        trim_malloc_heap()
     comm.add_step()
     obs.after_step()
     if len(memory_rows) == 1:
         memory_rows.append(obs.memory("after first step", model, optimizer))
+    if iter_num == max_iters - 1:  # the training peak, before the final evaluation and save
+        memory_rows.append(obs.memory("after last step", model, optimizer))
 
     t1 = time.time()
     dt, t0 = t1 - t0, t1

@@ -81,7 +81,7 @@ def _lazy_init(root_module):
     for path, m in root_module.named_modules():
         if hasattr(m, "_fsdp_unit"):
             units.setdefault(m._fsdp_unit, path or "root")
-    schedule = Schedule(list(units))
+    schedule = Schedule(list(units), root_module._fsdp_unit.compute_device)
     for unit, path in units.items():
         unit.name = path
         unit.lazy_init(schedule, is_root=root_module in unit.modules)

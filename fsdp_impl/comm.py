@@ -52,37 +52,42 @@ def all_gather(output, shard, group):
 def reduce_scatter(output, input, group):
     """Average `input` (rank-major chunks) over the group; this rank's chunk lands in `output`.
 
-    With one rank there is nothing to reduce: a copy, as FSDP2 does. On gloo with two ranks it is
-    an all-to-all plus a local add (see _AllToAllReduction); otherwise the library's reduce-scatter.
+    With one rank there is nothing to reduce: a copy, as FSDP2 does. On gloo with two ranks the
+    ranks swap halves point to point (see _PairReduction); otherwise the library's reduce-scatter.
     """
     ledger.count("reduce_scatter", input.numel() * input.element_size())
     if group.size() == 1:
         output.copy_(input)
         return None
     if group.size() == 2 and dist.get_backend(group) == "gloo":
-        return _AllToAllReduction(output, input, group)
+        return _PairReduction(output, input, group)
     return dist.reduce_scatter_single(output, input, op=dist.ReduceOp.AVG, group=group, async_op=True)
 
 
-class _AllToAllReduction:
-    """Reduce-scatter as all-to-all + add, for two gloo ranks.
+class _PairReduction:
+    """Reduce-scatter of two gloo ranks: send the peer its half, receive ours into `output`, add.
 
     gloo's reduce-scatter is a whole all-reduce plus copies: each rank receives every chunk
-    reduced, twice the bytes it needs. An all-to-all sends each rank only its chunk, and the
-    add runs at wait(). With two ranks this is bitwise gloo's answer ((a + b) / 2 in either
-    order); with more, gloo's summation order depends on its internal segmentation, so we keep
-    its collective there for FSDP2's exact bits. Costs one more input-sized buffer in flight.
+    reduced, twice the bytes it needs, into buffers of the input's size. Here each rank sends
+    and receives half the input, straight into the output, and adds its own half at wait().
+    With two ranks this is bitwise gloo's answer ((a + b) / 2 in either order); with more,
+    gloo's summation order depends on its internal segmentation, so we keep its collective
+    there for FSDP2's exact bits.
     """
 
     def __init__(self, output, input, group):
-        self.output, self.received = output, torch.empty_like(input)
-        self.work = dist.all_to_all_single(self.received, input, group=group, async_op=True)
+        mine, peer = group.rank(), 1 - group.rank()
+        peer_rank = dist.get_global_rank(group, peer)
+        halves = input.view(2, -1)
+        self.output, self.own_half = output, halves[mine]
+        self.works = [dist.isend(halves[peer], peer_rank, group=group),
+                      dist.irecv(output, peer_rank, group=group)]
 
     def wait(self):
-        self.work.wait()
-        from_rank0, from_rank1 = self.received.view(2, -1)
-        torch.add(from_rank0, from_rank1, out=self.output).div_(2)
-        self.received = None
+        for work in self.works:
+            work.wait()
+        self.output.add_(self.own_half).div_(2)
+        self.own_half = None
 
 
 def all_reduce_mean(tensor, group):

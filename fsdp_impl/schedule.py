@@ -11,13 +11,48 @@ Schedule: the root's view of a training step, shared by all units under one root
 - An autograd callback at the end of backward runs the post-backward of units whose hooks did
   not fire (parameters unused in this step) and waits for every pending reduction, so the
   sharded .grads are complete when backward() returns.
+- The buffer pool: unit-sized buffers reused across units within a step (CPU only).
 """
+import torch
 from torch.autograd import Variable
 
 
+class BufferPool:
+    """Free buffers of the root's units, kept by (numel, dtype) for the next unit that needs one.
+
+    Gathered parameters, all-gather outputs and reduce-scatter inputs of same-sized units are
+    interchangeable, so a step needs only as many as are alive at once (about four), not a fresh
+    allocation per unit and micro-step. On CPU that matters: glibc serves such buffers from its
+    heap and fragments it, or, above its mmap threshold, page-faults each fresh one. The pool is
+    emptied at the end of backward so the optimizer step can use the memory. CUDA's caching
+    allocator already does this job, so on CUDA buffers pass straight through.
+    """
+
+    def __init__(self, device):
+        self.device = device
+        self.reuse = device.type == "cpu"
+        self.free = {}
+        self.allocations = 0  # fresh buffers allocated, for tests
+
+    def take(self, numel, dtype):
+        free = self.free.get((numel, dtype))
+        if free:
+            return free.pop()
+        self.allocations += 1
+        return torch.empty(numel, dtype=dtype, device=self.device)
+
+    def give(self, buffer):
+        if self.reuse:
+            self.free.setdefault((buffer.numel(), buffer.dtype), []).append(buffer)
+
+    def clear(self):
+        self.free.clear()
+
+
 class Schedule:
-    def __init__(self, units):
+    def __init__(self, units, device):
         self.units = units
+        self.buffers = BufferPool(device)
         self.pre_forward_order, self.post_forward_order = [], []
         self.recording = True
         self.next_forward, self.next_backward = {}, {}
@@ -63,4 +98,5 @@ class Schedule:
         self.finish_reductions()
         for unit in self.units:
             unit.training_state = "idle"
+        self.buffers.clear()
         self.end_of_backward_queued = False

@@ -10,8 +10,9 @@ Memory layout (W ranks in the shard group, rank r):
     all-gather   [W, S]     rank-major, as the collective writes it; copied out once into
     flat_full    [W * S]    parameter-major: parameter i's full (padded) tensor is contiguous, and
                             the unsharded parameters used by forward/backward are views into it.
-                            Its storage is resized to 0 when the unit reshards (the views stay valid
-                            and come back to life when the storage is refilled).
+                            Its storage borrows a buffer from the root's pool while the unit is
+                            unsharded and is empty otherwise (the views, and the tensors autograd
+                            saved, stay valid and come back to life when it is refilled).
 
 Gradients go the other way: unsharded grads -> [W, S] (torch._chunk_cat pads each to the row
 layout above) -> one reduce-scatter (AVG) -> [S], whose pieces become the sharded DTensor .grads.
@@ -92,6 +93,7 @@ class ShardedUnit:
         self.grads_to_come = 0
         self.needs_post_backward = False
         self._gather = None  # (work, output, input) while GATHERING
+        self._full_memory = None  # the pooled buffer whose memory flat_full holds while unsharded
         self._reduction = None  # (work, input, output, params) while a reduce-scatter is in flight
         self._partial_reduction = None  # HSDP with all-reduce off: reduce-scattered, not yet averaged
         self._shard()
@@ -209,7 +211,7 @@ class ShardedUnit:
             shard = self.flat_shard
             if shard.dtype != self.param_dtype or shard.device != self.compute_device:
                 shard = shard.to(self.compute_device, self.param_dtype, non_blocking=True)
-            output = torch.empty(self.world * self.shard_numel, dtype=self.param_dtype, device=self.compute_device)
+            output = self.schedule.buffers.take(self.world * self.shard_numel, self.param_dtype)
             self._gather = (comm.all_gather(output, shard, self.shard_group), output, shard)
         self.state = GATHERING
 
@@ -223,13 +225,14 @@ class ShardedUnit:
         with profiled(f"fsdp::all_gather_wait {self.name}"), torch.no_grad():
             work.wait()
             ledger.log("all_gather_wait", self.name)
-            storage = self.flat_full.untyped_storage()
-            storage.resize_(self.flat_full.numel() * self.flat_full.element_size())
+            self._full_memory = self.schedule.buffers.take(self.flat_full.numel(), self.param_dtype)
+            self._swap_full_memory()
             # copying into the views bumps their version counter; autograd saved these same
             # tensors in forward and must not see that as an in-place change
             with torch.autograd._unsafe_preserve_version_counter(self.flat_full):
                 torch.split_with_sizes_copy(output.view(self.world, self.shard_numel),
                                             [ps.padded_numel for ps in self.params], dim=1, out=self._full_slots)
+            self.schedule.buffers.give(output)
         for ps in self.params:
             ps.register(ps.unsharded)
         self.state = UNSHARDED
@@ -242,9 +245,20 @@ class ShardedUnit:
             return
         for ps in self.params:
             ps.register(ps.sharded)
-        self.flat_full.untyped_storage().resize_(0)
+        self._swap_full_memory()  # flat_full's storage is empty again, the pool has the memory
+        self.schedule.buffers.give(self._full_memory)
+        self._full_memory = None
         ledger.log("free", self.name)
         self.state = SHARDED
+
+    def _swap_full_memory(self):
+        """Exchange the memory behind flat_full's storage with the pooled buffer's.
+
+        The storage object stays the same, so the unsharded parameters (views) and every tensor
+        autograd saved from them see the new memory: FSDP2 gets this by resizing the storage,
+        which allocates each time; swapping the data pointer lets the memory come from the pool.
+        """
+        self.flat_full.untyped_storage()._swap_data_ptr_(self._full_memory.untyped_storage())
 
     # ---- hooks' bodies (called from api.py) ----------------------------------------------
     def pre_forward(self):
@@ -317,7 +331,7 @@ class ShardedUnit:
         with profiled(f"fsdp::reduce_scatter {self.name}"):
             ledger.log("reduce_scatter", self.name)
             numel = sum(ps.padded_numel for ps in params)
-            rs_input = torch.empty(self.world * numel, dtype=self.reduce_dtype, device=self.compute_device)
+            rs_input = self.schedule.buffers.take(self.world * numel, self.reduce_dtype)
             torch._chunk_cat(grads, dim=0, num_chunks=self.world, out=rs_input.view(self.world, -1))
             grads.clear()  # the unsharded gradients are freed here
             rs_output = torch.empty(numel, dtype=self.reduce_dtype, device=self.compute_device)
@@ -328,11 +342,12 @@ class ShardedUnit:
     @torch.no_grad()
     def finish_reduction(self):
         """Wait for this unit's reduce-scatter and accumulate the result into the sharded grads."""
-        work, _, output, params = self._reduction
+        work, rs_input, output, params = self._reduction
         self._reduction = None
         with profiled(f"fsdp::reduce_scatter_wait {self.name}"):
             if work is not None:
                 work.wait()
+            self.schedule.buffers.give(rs_input)
             ledger.log("reduce_scatter_wait", self.name)
             if self.replicate_group is not None:  # HSDP: then average across replicas
                 if self._partial_reduction is not None:

@@ -10,8 +10,8 @@ Rank 0 writes {backend: {"grad_collectives": [per micro-step], "all_gathers": [.
 Counting, not guessing:
   ddp          a DDP comm hook that all-reduces the bucket (as the default hook does) and counts
                its calls; DDP's reducer issues its all-reduce from C++, so only a hook sees it.
-  fsdp,        torch.distributed.reduce_scatter_tensor / reduce_scatter_single / all_to_all_single
-  custom_fsdp  (fsdp_impl's reduce-scatter on two gloo ranks) / all_reduce are replaced by counting
+  fsdp,        torch.distributed.reduce_scatter_tensor / reduce_scatter_single / isend (one per
+  custom_fsdp  fsdp_impl reduce-scatter on two gloo ranks) / all_reduce are replaced by counting
                wrappers before any backward runs; FSDP2 and fsdp_impl/comm.py both look the
                function up on the torch.distributed module at call time.
 """
@@ -34,7 +34,7 @@ CFG = dict(device="cpu", dtype="float32", compile=False, cpu_offload=False, repl
            wrap_policy="block", min_wrap_params=1_000_000, reshard_after_forward=True, prefetch=True)
 
 ORIGINAL = {name: getattr(dist, name) for name in
-            ("reduce_scatter_tensor", "reduce_scatter_single", "all_to_all_single", "all_reduce", "all_gather_single",
+            ("reduce_scatter_tensor", "reduce_scatter_single", "isend", "all_reduce", "all_gather_single",
              "all_gather_into_tensor")}
 
 
@@ -61,7 +61,7 @@ def counting(name, kind):
 
 
 def patch_collectives():
-    for name in ("reduce_scatter_tensor", "reduce_scatter_single", "all_to_all_single", "all_reduce"):
+    for name in ("reduce_scatter_tensor", "reduce_scatter_single", "isend", "all_reduce"):
         setattr(dist, name, counting(name, "grad"))
     for name in ("all_gather_single", "all_gather_into_tensor"):
         setattr(dist, name, counting(name, "gather"))
