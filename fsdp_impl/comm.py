@@ -44,8 +44,14 @@ def profiled(name):
 
 
 def all_gather(output, shard, group):
-    """Gather every rank's equal-sized `shard` into `output` (rank-major). Returns a handle."""
+    """Gather every rank's equal-sized `shard` into `output` (rank-major). Returns a handle.
+
+    With one rank there is nothing to gather: a copy, no collective (FSDP2 skips it too).
+    """
     ledger.count("all_gather", output.numel() * output.element_size())
+    if group.size() == 1:
+        output.copy_(shard)
+        return None
     return dist.all_gather_single(output, shard, group=group, async_op=True)
 
 

@@ -223,7 +223,8 @@ class ShardedUnit:
         work, output, _ = self._gather
         self._gather = None
         with profiled(f"fsdp::all_gather_wait {self.name}"), torch.no_grad():
-            work.wait()
+            if work is not None:
+                work.wait()
             ledger.log("all_gather_wait", self.name)
             self._full_memory = self.schedule.buffers.take(self.flat_full.numel(), self.param_dtype)
             self._swap_full_memory()
