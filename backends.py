@@ -82,8 +82,8 @@ def trim_malloc_heap():
     glibc only returns the top of its heap; the holes that freed buffers leave in the middle stay
     resident, and across steps they add up (at 47M parameters custom_fsdp's peak grew from 880
     MB after the first step to 1,040 MB by the ninth). train.py calls this after every step on
-    CPU: one call, a few ms, and the next step faults those pages in again. Linux/glibc only;
-    elsewhere a no-op. Returns whether anything was released.
+    CPU; the next step faults those pages in again (no step-time change measurable with
+    bench.py). Linux/glibc only; elsewhere a no-op. Returns whether anything was released.
     """
     malloc_trim = _glibc("malloc_trim")
     return bool(malloc_trim(0)) if malloc_trim is not None else False
