@@ -21,13 +21,13 @@ class BufferPool:
     """Free buffers of the root's units, kept by (numel, dtype) for the next unit that needs one.
 
     Gathered parameters, all-gather outputs and reduce-scatter inputs of same-sized units are
-    interchangeable, so a step needs only as many as are alive at once (five for a GPT of any
-    depth), not a fresh allocation per unit and micro-step. On CPU that matters: glibc serves
-    such buffers from its heap and fragments it, or, above its mmap threshold, page-faults each
-    fresh one. The pool is emptied at the end of backward so the optimizer step can use the
-    memory (a forward without backward, such as evaluation, leaves its buffers here until the
-    next backward). CUDA's caching allocator already does this job, so on CUDA buffers pass
-    straight through.
+    interchangeable, so a step needs only as many as are alive at once (five for the tests' GPT
+    at 4 or 8 blocks), not a fresh allocation per unit and micro-step. On CPU that matters:
+    glibc serves such buffers from its heap and fragments it, or, above its mmap threshold,
+    page-faults each fresh one. The pool is emptied at the end of backward so the optimizer
+    step can use the memory (a forward without backward, such as evaluation, leaves its buffers
+    here until the next backward). CUDA's caching allocator already does this job, so on CUDA
+    buffers pass straight through.
     """
 
     def __init__(self, device):
