@@ -14,6 +14,7 @@ The one place where the distributed backends differ. train.py talks to a Backend
 (fsdp_impl), with the same API, so the two share one class and differ only in the import.
 """
 import ctypes
+import functools
 import os
 import sys
 from contextlib import nullcontext
@@ -53,7 +54,9 @@ def init_distributed(dist_backend, pg_backend, device, timeout_s):
     return rank, world_size, device
 
 
+@functools.cache
 def _glibc(function):
+    """A glibc function (looked up once), or None off Linux."""
     return getattr(ctypes.CDLL(None), function, None) if sys.platform.startswith("linux") else None
 
 
@@ -63,11 +66,11 @@ def set_malloc_mmap_threshold(mb):
     glibc raises its threshold (up to 32 MB) each time it frees a mapped buffer, after which
     freed multi-MB buffers (gradients, gathered parameters, optimizer temporaries) stay in its
     heap: at 47M parameters a threshold of 4 MB lowered the peak per process by 94 MB under
-    custom_fsdp (FSDP2: 429 MB). It costs a page fault per fresh page: none measurable for
-    custom_fsdp, whose unit buffers are pooled, but FSDP2's steps took 1.3x longer, so train.py
-    leaves it off by default. It also freezes the trim threshold at 128 KB,
-    which would hand the heap's top back and fault it in again every step: keep 8x `mb` there.
-    Linux/glibc only; elsewhere (and with 0) a no-op.
+    custom_fsdp (FSDP2: 429 MB). It costs a page fault per fresh page: about 7% of custom_fsdp's
+    step relative to DDP (its unit buffers are pooled), FSDP2's steps 1.3x, so train.py leaves it
+    off by default. It also freezes the trim threshold at 128 KB, which would hand the heap's top
+    back and fault it in again every step: keep 8x `mb` there. Linux/glibc only; elsewhere (and
+    with 0) a no-op.
     """
     mallopt = _glibc("mallopt")
     if mb <= 0 or mallopt is None:
@@ -82,8 +85,9 @@ def trim_malloc_heap():
     glibc only returns the top of its heap; the holes that freed buffers leave in the middle stay
     resident, and across steps they add up (at 47M parameters custom_fsdp's peak grew from 880
     MB after the first step to 1,040 MB by the ninth). train.py calls this after every step on
-    CPU; the next step faults those pages in again (no step-time change measurable with
-    bench.py). Linux/glibc only; elsewhere a no-op. Returns whether anything was released.
+    CPU; the next step faults those pages in again (within noise for DDP and custom_fsdp in
+    bench.py, FSDP2 14% slower in one pair of runs). Linux/glibc only; elsewhere a no-op.
+    Returns whether anything was released.
     """
     malloc_trim = _glibc("malloc_trim")
     return bool(malloc_trim(0)) if malloc_trim is not None else False

@@ -141,6 +141,13 @@ def test_comm_benchmark_times_every_collective_with_consistent_bandwidth(tmp_pat
         assert r["busbw_gbps"] * 1e9 * r["ms"] / 1e3 == pytest.approx(r["mb"] * 2**20 * moved[r["op"]], rel=1e-9)
 
 
+def run_snippet(code, arg):
+    """Run `code` in a fresh interpreter at the repo root (its own glibc heap); its stdout."""
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return subprocess.run([sys.executable, "-c", code, str(arg)], cwd=repo, check=True,
+                          capture_output=True, text=True).stdout
+
+
 RETAINED_AFTER_FREE = """
 import sys, torch, backends
 backends.set_malloc_mmap_threshold(float(sys.argv[1]))
@@ -159,9 +166,7 @@ print(anon() - base)
 def test_malloc_threshold_returns_freed_buffers_to_the_os():
     """train.py's malloc_mmap_threshold_mb on CPU: a freed 16 MB buffer leaves the process (4 MB)
     instead of staying in glibc's heap (0: glibc's dynamic default)."""
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    retained = {mb: int(subprocess.run([sys.executable, "-c", RETAINED_AFTER_FREE, str(mb)], cwd=repo, check=True,
-                                       capture_output=True, text=True).stdout) for mb in (0, 4)}
+    retained = {mb: int(run_snippet(RETAINED_AFTER_FREE, mb)) for mb in (0, 4)}
     assert retained[0] >= 12, retained
     assert retained[4] <= 2, retained
 
@@ -183,9 +188,7 @@ print(holes, anon() - base, released)
 def test_malloc_trim_returns_heap_holes_to_the_os():
     """train.py's malloc_trim (after every step on CPU): freed memory in the middle of glibc's heap
     stays resident until trimmed, and is given back when it is."""
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    out = {mode: subprocess.run([sys.executable, "-c", RETAINED_HOLES, mode], cwd=repo, check=True,
-                                capture_output=True, text=True).stdout.split() for mode in ("keep", "trim")}
+    out = {mode: run_snippet(RETAINED_HOLES, mode).split() for mode in ("keep", "trim")}
     holes, after, released = out["keep"]
     assert int(holes) >= 100 and int(after) >= 100 and released == "False", out
     holes, after, released = out["trim"]
