@@ -60,8 +60,7 @@ def summarize_run(rows):
         "reserved_mb": end.get("reserved_mb"),
         "state_mb": end["params_mb"] + end["optim_mb"],  # parameters + optimizer state per rank
         "all_gather_mb": comm["all_gather_bytes"] / 2**20,
-        # the reduce-scatter's input; fsdp_impl's on two gloo ranks sends half of it to the peer
-        "reduce_scatter_mb": (comm["reduce_scatter_bytes"] + 2 * comm["send_bytes"]) / 2**20,
+        "reduce_scatter_mb": comm["reduce_scatter_bytes"] / 2**20,  # the reduce-scatter's input
         "all_reduce_mb": comm["all_reduce_bytes"] / 2**20,
         "loss": [r["loss"] for r in rows if "loss" in r][-1],
     }
@@ -124,7 +123,7 @@ def sweep(args, extra):
 
 
 def comm_worker():
-    """Under torchrun: time all-gather, reduce-scatter (the library's and fsdp_impl's) and
+    """Under torchrun: time all-gather and reduce-scatter (the library's and fsdp_impl's) and
     all-reduce (DDP's) by message size on this process group."""
     import torch
     import torch.distributed as dist
@@ -145,6 +144,7 @@ def comm_worker():
         shard = torch.zeros(full.numel() // w, device=device)
         # (name, run it, bytes moved per rank as a fraction of the full buffer: bus bandwidth)
         ops = (("all_gather", lambda: dist.all_gather_single(full, shard), (w - 1) / w),
+               ("ag_fsdp_impl", lambda: finish(comm.all_gather(full, shard, dist.group.WORLD)), (w - 1) / w),
                ("reduce_scatter", lambda: dist.reduce_scatter_single(shard, full, op=dist.ReduceOp.AVG), (w - 1) / w),
                ("rs_fsdp_impl", lambda: finish(comm.reduce_scatter(shard, full, dist.group.WORLD)), (w - 1) / w),
                ("all_reduce", lambda: dist.all_reduce(full), 2 * (w - 1) / w))

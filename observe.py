@@ -16,6 +16,8 @@ import shutil
 import torch
 import torch.distributed as dist
 
+from fsdp_impl import comm
+
 PROFILE_STEPS = (2, 5)  # iterations [2, 5) after the first of the run: past warm-up, few enough
 
 
@@ -37,11 +39,13 @@ def model_state_mb(model, optimizer):
 
 class CommCounter:
     """Counts collectives and bytes issued through torch.distributed's Python API: everything
-    FSDP2 and fsdp_impl issue (on two gloo ranks fsdp_impl reduce-scatters by isend/irecv: `send`
-    counts what is sent). DDP's C++ reducer is not seen (bench.py states its formula)."""
+    FSDP2 and fsdp_impl issue. fsdp_impl's point-to-point exchanges on gloo (isend/irecv) count
+    as the collective they stand for, with its buffer's bytes. DDP's C++ reducer is not seen
+    (bench.py states its formula)."""
     KINDS = {"all_gather_into_tensor": "all_gather", "all_gather_single": "all_gather",
              "reduce_scatter_tensor": "reduce_scatter", "reduce_scatter_single": "reduce_scatter",
-             "all_reduce": "all_reduce", "isend": "send"}
+             "all_reduce": "all_reduce", "isend": "exchange"}
+    EXCHANGES = {comm.GATHER_TAG: "all_gather", comm.REDUCE_TAG: "reduce_scatter"}
 
     def __init__(self):
         self.totals = {}
@@ -54,15 +58,28 @@ class CommCounter:
         def counted(*args, **kwargs):
             tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
             big = max(tensors, key=torch.Tensor.numel)  # the output of a gather, the input of a scatter
-            self.current[f"{kind}_count"] += 1
-            self.current[f"{kind}_bytes"] += big.numel() * big.element_size()
+            what = (kind, big.numel() * big.element_size())
+            if kind == "exchange":
+                what = self._exchange(what[1], *args[1:], **kwargs)
+            if what is not None:
+                self.current[f"{what[0]}_count"] += 1
+                self.current[f"{what[0]}_bytes"] += what[1]
             return fn(*args, **kwargs)
         return counted
+
+    def _exchange(self, nbytes, dst, group=None, tag=0):
+        """(kind, bytes) of an exchange, or None. An exchange sends one equal-sized message per
+        peer: it is counted once, at the message to the next rank, as W x that message (the
+        all-gather's output, the reduce-scatter's input). Other point-to-point traffic is not."""
+        group = group or dist.group.WORLD
+        if tag not in self.EXCHANGES or dst != dist.get_global_rank(group, (group.rank() + 1) % group.size()):
+            return None
+        return self.EXCHANGES[tag], group.size() * nbytes
 
     def take(self):
         """Counts and bytes since the last call."""
         taken, self.current = getattr(self, "current", None), {
-            f"{k}_{x}": 0 for k in set(self.KINDS.values()) for x in ("count", "bytes")}
+            f"{k}_{x}": 0 for k in set(self.KINDS.values()) - {"exchange"} for x in ("count", "bytes")}
         return taken
 
     def add_step(self):

@@ -46,13 +46,52 @@ def profiled(name):
 def all_gather(output, shard, group):
     """Gather every rank's equal-sized `shard` into `output` (rank-major). Returns a handle.
 
-    With one rank there is nothing to gather: a copy, no collective (FSDP2 skips it too).
+    With one rank there is nothing to gather: a copy, no collective (FSDP2 skips it too). On
+    gloo the ranks exchange shards point to point (see _ExchangeGather).
     """
     ledger.count("all_gather", output.numel() * output.element_size())
     if group.size() == 1:
         output.copy_(shard)
         return None
+    if dist.get_backend(group) == "gloo":
+        return _ExchangeGather(output, shard, group)
     return dist.all_gather_single(output, shard, group=group, async_op=True)
+
+
+# tags keep the messages of an all-gather and a reduce-scatter in flight at once apart
+GATHER_TAG, REDUCE_TAG = 1, 2
+
+
+class _Exchange:
+    """Point-to-point messages that together do one collective; wait() waits for all of them."""
+
+    def wait(self):
+        for work in self.works:
+            work.wait()
+        self.finish()
+
+    def finish(self):
+        pass
+
+
+class _ExchangeGather(_Exchange):
+    """All-gather on gloo: send our shard to every peer, receive theirs straight into `output`.
+
+    gloo's all-gather allocates an output-sized buffer per call and copies out of it: a fresh
+    unit-sized allocation every time, which on CPU lands on new heap pages (about 240 MB of
+    them per step at 47M parameters). Here nothing is allocated and nothing is copied twice;
+    each rank sends W-1 shards, as gloo's ring does. No arithmetic, so the bits are the same.
+    """
+
+    def __init__(self, output, shard, group):
+        me, chunks = group.rank(), output.view(group.size(), -1)
+        self.works = []
+        for peer in range(group.size()):
+            if peer != me:
+                peer_rank = dist.get_global_rank(group, peer)
+                self.works += [dist.isend(shard, peer_rank, group=group, tag=GATHER_TAG),
+                               dist.irecv(chunks[peer], peer_rank, group=group, tag=GATHER_TAG)]
+        chunks[me].copy_(shard)
 
 
 def reduce_scatter(output, input, group):
@@ -70,7 +109,7 @@ def reduce_scatter(output, input, group):
     return dist.reduce_scatter_single(output, input, op=dist.ReduceOp.AVG, group=group, async_op=True)
 
 
-class _PairReduction:
+class _PairReduction(_Exchange):
     """Reduce-scatter of two gloo ranks: send the peer its half, receive ours into `output`, add.
 
     gloo's reduce-scatter is a whole all-reduce plus copies: each rank receives every chunk
@@ -86,12 +125,10 @@ class _PairReduction:
         peer_rank = dist.get_global_rank(group, peer)
         halves = input.view(2, -1)
         self.output, self.own_half = output, halves[mine]
-        self.works = [dist.isend(halves[peer], peer_rank, group=group),
-                      dist.irecv(output, peer_rank, group=group)]
+        self.works = [dist.isend(halves[peer], peer_rank, group=group, tag=REDUCE_TAG),
+                      dist.irecv(output, peer_rank, group=group, tag=REDUCE_TAG)]
 
-    def wait(self):
-        for work in self.works:
-            work.wait()
+    def finish(self):
         self.output.add_(self.own_half).div_(2)
         self.own_half = None
 

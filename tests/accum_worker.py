@@ -7,13 +7,11 @@ Builds a tiny GPT on the meta device and wraps it with backends.make_backend(...
 as train.py does, then runs MICRO_STEPS micro-steps with backend.set_grad_sync(model, is_last).
 Rank 0 writes {backend: {"grad_collectives": [per micro-step], "all_gathers": [...], "units": n}}.
 
-Counting, not guessing:
-  ddp          a DDP comm hook that all-reduces the bucket (as the default hook does) and counts
-               its calls; DDP's reducer issues its all-reduce from C++, so only a hook sees it.
-  fsdp,        torch.distributed.reduce_scatter_tensor / reduce_scatter_single / isend (one per
-  custom_fsdp  fsdp_impl reduce-scatter on two gloo ranks) / all_reduce are replaced by counting
-               wrappers before any backward runs; FSDP2 and fsdp_impl/comm.py both look the
-               function up on the torch.distributed module at call time.
+Counting, not guessing: train.py's observe.CommCounter wraps torch.distributed's collectives
+before any backward runs (FSDP2 and fsdp_impl/comm.py look them up at call time; fsdp_impl's
+point-to-point exchanges count as the collectives they stand for). DDP's reducer issues its
+all-reduce from C++, so a comm hook that all-reduces the bucket as the default hook does routes
+it through torch.distributed, where the counter sees it.
 """
 import json
 import os
@@ -27,82 +25,50 @@ sys.path.insert(0, REPO)
 
 from backends import make_backend  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
+from observe import CommCounter  # noqa: E402
 
 MICRO_STEPS = 3
 N_LAYER = 2
 CFG = dict(device="cpu", dtype="float32", compile=False, cpu_offload=False, replicate_degree=1,
            wrap_policy="block", min_wrap_params=1_000_000, reshard_after_forward=True, prefetch=True)
 
-ORIGINAL = {name: getattr(dist, name) for name in
-            ("reduce_scatter_tensor", "reduce_scatter_single", "isend", "all_reduce", "all_gather_single",
-             "all_gather_into_tensor")}
 
-
-class Counter:
-    def __init__(self):
-        self.step = None  # the micro-step running now (None: outside the measured region)
-        self.grad = [0] * MICRO_STEPS
-        self.gather = [0] * MICRO_STEPS
-
-    def add(self, kind):
-        if self.step is not None:
-            getattr(self, kind)[self.step] += 1
-
-
-counter = Counter()
-
-
-def counting(name, kind):
-    def wrapper(*args, **kwargs):
-        counter.add(kind)
-        return ORIGINAL[name](*args, **kwargs)
-    wrapper.__name__ = name
-    return wrapper
-
-
-def patch_collectives():
-    for name in ("reduce_scatter_tensor", "reduce_scatter_single", "isend", "all_reduce"):
-        setattr(dist, name, counting(name, "grad"))
-    for name in ("all_gather_single", "all_gather_into_tensor"):
-        setattr(dist, name, counting(name, "gather"))
-
-
-def counting_allreduce_hook(state, bucket):
-    """DDP's default allreduce hook (average the bucket), counted; uses the unpatched all_reduce."""
-    counter.add("grad")
+def allreduce_hook(state, bucket):
+    """DDP's default allreduce hook (average the bucket), through the counted dist.all_reduce."""
     buf = bucket.buffer()
     buf.div_(dist.get_world_size())
-    fut = ORIGINAL["all_reduce"](buf, async_op=True).get_future()
+    fut = dist.all_reduce(buf, async_op=True).get_future()
     return fut.then(lambda f: f.value()[0])
 
 
-def run(name):
-    global counter
-    counter = Counter()
+def run(name, counter):
     back = make_backend(name, CFG)
     with torch.device("meta"):
         model = GPT(GPTConfig(n_layer=N_LAYER, n_head=2, n_embd=32, block_size=16, vocab_size=65,
                               dropout=0.0, bias=False))
     model = back.wrap(model, lambda m: m.init_weights(0))
     if name == "ddp":
-        model.register_comm_hook(None, counting_allreduce_hook)
+        model.register_comm_hook(None, allreduce_hook)
         units = None
     else:
         from torch.distributed.fsdp import FSDPModule
         # fully_shard-ed modules: each is one unit (one communication group) in both implementations
         units = sum(1 for m in model.modules() if isinstance(m, FSDPModule) or hasattr(m, "_fsdp_unit"))
     rank = dist.get_rank()
+    grad_collectives, all_gathers = [], []
     for step in range(MICRO_STEPS):
         is_last = step == MICRO_STEPS - 1
         back.set_grad_sync(model, is_last)
         gen = torch.Generator().manual_seed(1000 * rank + step)
         x = torch.randint(0, 65, (2, 16), generator=gen)
         y = torch.randint(0, 65, (2, 16), generator=gen)
-        counter.step = step
+        counter.take()
         with back.autocast():
             _, loss = model(x, y)
         back.backward(loss / MICRO_STEPS)
-        counter.step = None
+        counts = counter.take()
+        grad_collectives.append(counts["reduce_scatter_count"] + counts["all_reduce_count"])
+        all_gathers.append(counts["all_gather_count"])
     grads = [p.grad for p in model.parameters()]
     has_grads = all(g is not None for g in grads)
     # the synchronised gradients must be the same on every rank (ddp: whole, fsdp: the full tensor)
@@ -113,7 +79,7 @@ def run(name):
         grads_agree = all(torch.equal(gathered[0], g) for g in gathered)
     else:
         grads_agree = False
-    return {"grad_collectives": counter.grad, "all_gathers": counter.gather, "units": units,
+    return {"grad_collectives": grad_collectives, "all_gathers": all_gathers, "units": units,
             "n_layer": N_LAYER, "has_grads": has_grads, "grads_agree": grads_agree}
 
 
@@ -121,8 +87,8 @@ def main():
     out_path = sys.argv[1]
     names = sys.argv[2:] or ["ddp", "fsdp", "custom_fsdp"]
     dist.init_process_group("gloo")
-    patch_collectives()
-    results = {name: run(name) for name in names}
+    counter = CommCounter()
+    results = {name: run(name, counter) for name in names}
     if dist.get_rank() == 0:
         with open(out_path, "w") as f:
             json.dump(results, f)

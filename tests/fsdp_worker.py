@@ -34,6 +34,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 from fsdp_impl import MixedPrecisionPolicy as OurMixedPrecision  # noqa: E402
 from fsdp_impl import fully_shard as our_fully_shard  # noqa: E402
+from fsdp_impl import comm  # noqa: E402
 from fsdp_impl.comm import ledger  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 
@@ -515,7 +516,35 @@ def memory_checks(world, mesh1d):
     res["api_async_unshard"] = h0._fsdp_unit.state == "unsharded"
     h0.reshard()
     res["pool"] = {n_layer: pool_checks(rank, mesh1d, n_layer) for n_layer in (4, 8)}
+    res["collective_allocations"] = collective_allocations(world)
     return res
+
+
+def collective_allocations(world, numel=2**16):
+    """The largest CPU allocation (bytes) one collective makes, ours and gloo's, from the profiler."""
+    group = dist.group.WORLD
+    shard, full = torch.ones(numel), torch.ones(world * numel)
+
+    def largest(collective):
+        collective()  # warm-up: gloo sets up its buffers on first use
+        with torch.profiler.profile(profile_memory=True) as prof:
+            collective()
+        path = f"/tmp/fsdp_worker_alloc_{os.getpid()}.json"
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            events = json.load(f)["traceEvents"]
+        os.remove(path)
+        return max((e["args"]["Bytes"] for e in events if e.get("name") == "[memory]"), default=0)
+
+    def done(work):
+        if work is not None:
+            work.wait()
+
+    return {"shard_bytes": numel * 4, "full_bytes": world * numel * 4,
+            "ours_all_gather": largest(lambda: done(comm.all_gather(full, shard, group))),
+            "gloo_all_gather": largest(lambda: dist.all_gather_single(full, shard)),
+            "ours_reduce_scatter": largest(lambda: done(comm.reduce_scatter(shard, full, group))),
+            "gloo_reduce_scatter": largest(lambda: dist.reduce_scatter_single(shard, full, op=dist.ReduceOp.AVG))}
 
 
 def pool_checks(rank, mesh1d, n_layer):

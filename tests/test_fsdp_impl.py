@@ -158,6 +158,21 @@ def test_buffer_pool_reuses_unit_buffers(results, world):
     assert pool["8"]["fresh_per_step"][0] < 8 + 1, pool  # fewer than one per unit
 
 
+@pytest.mark.parametrize("world", WORLDS[1:])
+def test_gloo_exchanges_allocate_no_buffers(results, world):
+    """On gloo our all-gather (and the two-rank reduce-scatter) exchange messages point to point,
+    straight into the caller's buffers; gloo's own collectives allocate a full-sized temporary per
+    call (seen here too, which shows the probe sees such allocations)."""
+    m = results(world)["memory"]
+    _no_error(m, "memory")
+    a = m["collective_allocations"]
+    assert a["gloo_all_gather"] >= a["full_bytes"], a
+    assert a["ours_all_gather"] < a["shard_bytes"], a
+    if world == 2:
+        assert a["gloo_reduce_scatter"] >= a["full_bytes"], a
+        assert a["ours_reduce_scatter"] < a["shard_bytes"], a
+
+
 @pytest.mark.parametrize("world", WORLDS)
 def test_memory_after_backward(results, world):
     m = results(world)["memory"]
