@@ -65,10 +65,12 @@ def set_malloc_mmap_threshold(mb):
 
     glibc raises its threshold (up to 32 MB) each time it frees a mapped buffer, after which
     freed multi-MB buffers (gradients, gathered parameters, optimizer temporaries) stay in its
-    heap: at 47M parameters a threshold of 4 MB lowered the peak per process by 94 MB under
-    custom_fsdp (FSDP2: 429 MB). It costs a page fault per fresh page: about 7% of custom_fsdp's
-    step relative to DDP (its unit buffers are pooled), FSDP2's steps 1.3x, so train.py leaves it
-    off by default. It also freezes the trim threshold at 128 KB, which would hand the heap's top
+    heap: at 47M parameters a threshold of 4 MB lowered FSDP2's peak per process from 1,331 to
+    912 MB, both with malloc_trim (gloo's all-gather allocates a fresh output-sized buffer per
+    call). custom_fsdp's did not move (905 MB): it allocates no fresh unit-sized buffers. It
+    costs a page fault per fresh page: FSDP2's step went from 1.25x to 1.95x DDP's, ours about
+    20% relative to DDP, so train.py leaves it off by default. It also freezes the trim
+    threshold at 128 KB, which would hand the heap's top
     back and fault it in again every step: keep 8x `mb` there. Linux/glibc only; elsewhere (and
     with 0) a no-op.
     """
@@ -83,11 +85,10 @@ def trim_malloc_heap():
     """CPU memory: hand the free pages inside glibc's heap back to the OS (malloc_trim).
 
     glibc only returns the top of its heap; the holes that freed buffers leave in the middle stay
-    resident, and across steps they add up (at 47M parameters custom_fsdp's peak grew from 880
-    MB after the first step to 1,040 MB by the ninth). train.py calls this after every step on
-    CPU; the next step faults those pages in again (within noise for DDP and custom_fsdp in
-    bench.py, FSDP2 14% slower in one pair of runs). Linux/glibc only; elsewhere a no-op.
-    Returns whether anything was released.
+    resident. With train.py's malloc_trim=True it runs after every step on CPU; the next step
+    faults those pages in again: a 5M model's step took 14% (custom_fsdp) to 27% (DDP) longer for
+    4-9 MB less peak RSS; at 47M parameters the peak fell 1% for custom_fsdp, 10% for FSDP2. So
+    it is off by default. Linux/glibc only; elsewhere a no-op. Returns whether anything was released.
     """
     malloc_trim = _glibc("malloc_trim")
     return bool(malloc_trim(0)) if malloc_trim is not None else False

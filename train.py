@@ -81,7 +81,7 @@ on_nonfinite = "stop"  # non-finite loss or grad norm: 'stop' (exit, naming the 
 device = "cuda" if torch.cuda.is_available() else "cpu"  # 'cpu', 'cuda', 'cuda:0', ...
 dtype = "bfloat16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "float32"
 compile = False
-malloc_trim = True  # CPU: return glibc's freed heap pages to the OS after every step (lower peak RSS)
+malloc_trim = False  # CPU: return glibc's freed heap pages to the OS after every step (less RSS, slower)
 malloc_mmap_threshold_mb = 0  # CPU: >0 fixes glibc's mmap threshold (less RSS, slower; see backends.py)
 # observability (see observe.py)
 profile = False  # Chrome traces of a few steps under out_dir/traces/<dist_backend>/

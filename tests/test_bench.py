@@ -186,7 +186,7 @@ print(holes, anon() - base, released)
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc_trim")
 def test_malloc_trim_returns_heap_holes_to_the_os():
-    """train.py's malloc_trim (after every step on CPU): freed memory in the middle of glibc's heap
+    """train.py's malloc_trim=True (after every step on CPU): freed memory in the middle of glibc's heap
     stays resident until trimmed, and is given back when it is."""
     out = {mode: run_snippet(RETAINED_HOLES, mode).split() for mode in ("keep", "trim")}
     holes, after, released = out["keep"]
