@@ -79,10 +79,12 @@ def shard_numel(shapes, world):
     return sum(math.ceil(s[0] / world) * math.prod(s[1:]) for s in shapes)
 
 
-@pytest.mark.parametrize("backend", ["fsdp", "custom_fsdp"])
-def test_collective_bytes_per_step_match_the_formula(backend, char_data, tmp_path):
-    """Counted by train.py's CommCounter; expected from the model's shapes (float32, W=2)."""
-    W, L, C, V, T, steps, micro = 2, 2, 32, 65, 32, 3, 2
+@pytest.mark.parametrize("backend,W", [("fsdp", 2), ("custom_fsdp", 2), ("custom_fsdp", 3)])
+def test_collective_bytes_per_step_match_the_formula(backend, W, char_data, tmp_path):
+    """Counted by train.py's CommCounter; expected from the model's shapes (float32, padded rows).
+    custom_fsdp on gloo: W=2 exchanges both ways; W=3 all-gathers by exchange (two messages per
+    rank, counted once) and reduce-scatters with gloo's collective."""
+    L, C, V, T, steps, micro = 2, 32, 65, 32, 3, 2
     res = run_train(tmp_path, W, f"--data_dir={char_data}", f"--n_layer={L}", "--n_head=2", f"--n_embd={C}",
                     f"--block_size={T}", "--batch_size=2", "--bias=True", f"--max_iters={steps}",
                     f"--gradient_accumulation_steps={W * micro}", "--eval_iters=1", f"--dist_backend={backend}")
@@ -98,6 +100,7 @@ def test_collective_bytes_per_step_match_the_formula(backend, char_data, tmp_pat
     with open(tmp_path / "metrics.jsonl") as f:
         comm = next(r for r in map(json.loads, f) if r.get("event") == "comm_per_step")
     assert comm["all_gather_bytes"] == pytest.approx(expected_ag, rel=1e-12)
+    assert comm["all_gather_count"] == pytest.approx((steps * micro * 2 * L - 2) / steps, rel=1e-12)
     # (custom_fsdp's point-to-point exchanges on gloo count as the collectives they stand for)
     assert comm["reduce_scatter_bytes"] == expected_rs
     assert comm["reduce_scatter_count"] == L + 1
