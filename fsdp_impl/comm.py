@@ -47,13 +47,13 @@ def all_gather(output, shard, group):
     """Gather every rank's equal-sized `shard` into `output` (rank-major). Returns a handle.
 
     With one rank there is nothing to gather: a copy, no collective (FSDP2 skips it too). On
-    gloo the ranks exchange shards point to point (see _ExchangeGather).
+    gloo with CPU tensors the ranks exchange shards point to point (see _ExchangeGather).
     """
     ledger.count("all_gather", output.numel() * output.element_size())
     if group.size() == 1:
         output.copy_(shard)
         return None
-    if dist.get_backend(group) == "gloo":
+    if dist.get_backend(group) == "gloo" and output.is_cpu:
         return _ExchangeGather(output, shard, group)
     return dist.all_gather_single(output, shard, group=group, async_op=True)
 
@@ -97,14 +97,15 @@ class _ExchangeGather(_Exchange):
 def reduce_scatter(output, input, group):
     """Average `input` (rank-major chunks) over the group; this rank's chunk lands in `output`.
 
-    With one rank there is nothing to reduce: a copy, as FSDP2 does. On gloo with two ranks the
-    ranks swap halves point to point (see _PairReduction); otherwise the library's reduce-scatter.
+    With one rank there is nothing to reduce: a copy, as FSDP2 does. On gloo with two ranks (CPU
+    tensors) the ranks swap halves point to point (see _PairReduction); otherwise the library's
+    reduce-scatter.
     """
     ledger.count("reduce_scatter", input.numel() * input.element_size())
     if group.size() == 1:
         output.copy_(input)
         return None
-    if group.size() == 2 and dist.get_backend(group) == "gloo":
+    if group.size() == 2 and dist.get_backend(group) == "gloo" and input.is_cpu:
         return _PairReduction(output, input, group)
     return dist.reduce_scatter_single(output, input, op=dist.ReduceOp.AVG, group=group, async_op=True)
 
