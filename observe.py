@@ -67,12 +67,13 @@ class CommCounter:
             return fn(*args, **kwargs)
         return counted
 
-    def _exchange(self, nbytes, dst, group=None, tag=0):
+    def _exchange(self, nbytes, dst=None, group=None, tag=0, **_):
         """(kind, bytes) of an exchange, or None. An exchange sends one equal-sized message per
         peer: it is counted once, at the message to the next rank, as W x that message (the
         all-gather's output, the reduce-scatter's input). Other point-to-point traffic is not."""
         group = group or dist.group.WORLD
-        if tag not in self.EXCHANGES or dst != dist.get_global_rank(group, (group.rank() + 1) % group.size()):
+        if tag not in self.EXCHANGES or dst is None or \
+                dst != dist.get_global_rank(group, (group.rank() + 1) % group.size()):
             return None
         return self.EXCHANGES[tag], group.size() * nbytes
 

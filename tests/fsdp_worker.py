@@ -14,6 +14,7 @@ import json
 import math
 import os
 import sys
+import tempfile
 import time
 import traceback
 import warnings
@@ -529,7 +530,7 @@ def collective_allocations(world, numel=2**16):
         collective()  # warm-up: gloo sets up its buffers on first use
         with torch.profiler.profile(profile_memory=True) as prof:
             collective()
-        path = f"/tmp/fsdp_worker_alloc_{os.getpid()}.json"
+        path = os.path.join(tempfile.gettempdir(), f"fsdp_worker_alloc_{os.getpid()}.json")
         prof.export_chrome_trace(path)
         with open(path) as f:
             events = json.load(f)["traceEvents"]
