@@ -70,9 +70,8 @@ def set_malloc_mmap_threshold(mb):
     call). custom_fsdp's did not move (905 MB): it allocates no fresh unit-sized buffers. It
     costs a page fault per fresh page: FSDP2's step went from 1.25x to 1.95x DDP's, ours about
     20% relative to DDP, so train.py leaves it off by default. It also freezes the trim
-    threshold at 128 KB, which would hand the heap's top
-    back and fault it in again every step: keep 8x `mb` there. Linux/glibc only; elsewhere (and
-    with 0) a no-op.
+    threshold at 128 KB, which would hand the heap's top back and fault it in again every step:
+    keep 8x `mb` there. Linux/glibc only; elsewhere (and with 0) a no-op.
     """
     mallopt = _glibc("mallopt")
     if mb <= 0 or mallopt is None:

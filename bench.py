@@ -129,10 +129,6 @@ def comm_worker():
     import torch.distributed as dist
     from fsdp_impl import comm
 
-    def finish(work):  # fsdp_impl returns no handle on one rank
-        if work is not None:
-            work.wait()
-
     cuda = torch.cuda.is_available()
     dist.init_process_group("nccl" if cuda else "gloo")
     w, rank = dist.get_world_size(), dist.get_rank()
@@ -144,9 +140,9 @@ def comm_worker():
         shard = torch.zeros(full.numel() // w, device=device)
         # (name, run it, bytes moved per rank as a fraction of the full buffer: bus bandwidth)
         ops = (("all_gather", lambda: dist.all_gather_single(full, shard), (w - 1) / w),
-               ("ag_fsdp_impl", lambda: finish(comm.all_gather(full, shard, dist.group.WORLD)), (w - 1) / w),
+               ("ag_fsdp_impl", lambda: comm.all_gather(full, shard, dist.group.WORLD).wait(), (w - 1) / w),
                ("reduce_scatter", lambda: dist.reduce_scatter_single(shard, full, op=dist.ReduceOp.AVG), (w - 1) / w),
-               ("rs_fsdp_impl", lambda: finish(comm.reduce_scatter(shard, full, dist.group.WORLD)), (w - 1) / w),
+               ("rs_fsdp_impl", lambda: comm.reduce_scatter(shard, full, dist.group.WORLD).wait(), (w - 1) / w),
                ("all_reduce", lambda: dist.all_reduce(full), 2 * (w - 1) / w))
         for name, op, moved in ops:
             op()  # warm-up

@@ -223,8 +223,7 @@ class ShardedUnit:
         work, output, _ = self._gather
         self._gather = None
         with profiled(f"fsdp::all_gather_wait {self.name}"), torch.no_grad():
-            if work is not None:
-                work.wait()
+            work.wait()
             ledger.log("all_gather_wait", self.name)
             self._full_memory = self.schedule.buffers.take(self.flat_full.numel(), self.param_dtype)
             self._swap_full_memory()
@@ -346,8 +345,7 @@ class ShardedUnit:
         work, rs_input, output, params = self._reduction
         self._reduction = None
         with profiled(f"fsdp::reduce_scatter_wait {self.name}"):
-            if work is not None:
-                work.wait()
+            work.wait()
             self.schedule.buffers.give(rs_input)
             ledger.log("reduce_scatter_wait", self.name)
             if self.replicate_group is not None:  # HSDP: then average across replicas

@@ -537,14 +537,10 @@ def collective_allocations(world, numel=2**16):
         os.remove(path)
         return max((e["args"]["Bytes"] for e in events if e.get("name") == "[memory]"), default=0)
 
-    def done(work):
-        if work is not None:
-            work.wait()
-
     return {"shard_bytes": numel * 4, "full_bytes": world * numel * 4,
-            "ours_all_gather": largest(lambda: done(comm.all_gather(full, shard, group))),
+            "ours_all_gather": largest(lambda: comm.all_gather(full, shard, group).wait()),
             "gloo_all_gather": largest(lambda: dist.all_gather_single(full, shard)),
-            "ours_reduce_scatter": largest(lambda: done(comm.reduce_scatter(shard, full, group))),
+            "ours_reduce_scatter": largest(lambda: comm.reduce_scatter(shard, full, group).wait()),
             "gloo_reduce_scatter": largest(lambda: dist.reduce_scatter_single(shard, full, op=dist.ReduceOp.AVG))}
 
 
