@@ -52,7 +52,8 @@ class CommCounter:
         self.steps = 0
         self.take()
         for fn_name, kind in self.KINDS.items():
-            setattr(dist, fn_name, self._counting(getattr(dist, fn_name), kind))
+            if hasattr(dist, fn_name):  # the *_single names are new in torch 2.13
+                setattr(dist, fn_name, self._counting(getattr(dist, fn_name), kind))
 
     def _counting(self, fn, kind):
         def counted(*args, **kwargs):
