@@ -29,10 +29,11 @@ class BufferPool:
     here until the next backward). CUDA's caching allocator already does this job, so on CUDA
     buffers pass straight through.
     """
+    REUSE = {"cpu": True}  # by device type
 
     def __init__(self, device):
         self.device = device
-        self.reuse = device.type == "cpu"
+        self.reuse = self.REUSE.get(device.type, False)
         self.free = {}
         self.allocations = 0  # fresh buffers allocated, for tests
 
@@ -46,6 +47,26 @@ class BufferPool:
     def give(self, buffer):
         if self.reuse:
             self.free.setdefault((buffer.numel(), buffer.dtype), []).append(buffer)
+
+    def fill(self, tensor):
+        """Give `tensor`'s empty storage memory: a pooled buffer's on CPU, a fresh block of the
+        caching allocator's on CUDA (FSDP2's storage resize). The storage object stays the same,
+        so views of it, and the tensors autograd saved from them, see the new memory. Returns
+        what drain() needs back."""
+        if not self.reuse:
+            tensor.untyped_storage().resize_(tensor.numel() * tensor.element_size())
+            return None
+        buffer = self.take(tensor.numel(), tensor.dtype)
+        tensor.untyped_storage()._swap_data_ptr_(buffer.untyped_storage())
+        return buffer
+
+    def drain(self, tensor, buffer):
+        """Undo fill(): `tensor`'s storage is empty again; its memory goes back to the pool."""
+        if buffer is None:
+            tensor.untyped_storage().resize_(0)
+            return
+        tensor.untyped_storage()._swap_data_ptr_(buffer.untyped_storage())
+        self.give(buffer)
 
     def clear(self):
         self.free.clear()

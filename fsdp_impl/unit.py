@@ -93,7 +93,7 @@ class ShardedUnit:
         self.grads_to_come = 0
         self.needs_post_backward = False
         self._gather = None  # (work, output, input) while GATHERING
-        self._full_memory = None  # the pooled buffer whose memory flat_full holds while unsharded
+        self._full_memory = None  # from buffers.fill(flat_full), for buffers.drain()
         self._reduction = None  # (work, input, output, params) while a reduce-scatter is in flight
         self._partial_reduction = None  # HSDP with all-reduce off: reduce-scattered, not yet averaged
         self._shard()
@@ -184,6 +184,7 @@ class ShardedUnit:
                             .view(self.world, -1) for ps in self.params]
         self.flat_full.untyped_storage().resize_(0)
 
+    @torch.no_grad()  # to_local() with grad on caches an autograd node that would keep the old tensors alive
     def _adopt_materialized_params(self):
         """After module.to_empty(), parameters hold fresh tensors: copy them back into a flat shard."""
         if not self.params or all(
@@ -209,10 +210,19 @@ class ShardedUnit:
         with profiled(f"fsdp::all_gather {self.name}"), torch.no_grad():
             ledger.log("all_gather", self.name)
             shard = self.flat_shard
-            if shard.dtype != self.param_dtype or shard.device != self.compute_device:
-                shard = shard.to(self.compute_device, self.param_dtype, non_blocking=True)
-            output = self.schedule.buffers.take(self.world * self.shard_numel, self.param_dtype)
-            self._gather = (comm.all_gather(output, shard, self.shard_group), output, shard)
+            if self.world == 1:
+                # one rank: the shard already has the full layout, so the "all-gather" copies
+                # (and casts) it straight into the unsharded parameters, with no copy-out
+                self._full_memory = self.schedule.buffers.fill(self.flat_full)
+                output = self.flat_full
+            else:
+                if shard.dtype != self.param_dtype or shard.device != self.compute_device:
+                    shard = shard.to(self.compute_device, self.param_dtype, non_blocking=True)
+                output = self.schedule.buffers.take(self.world * self.shard_numel, self.param_dtype)
+            # writing into the unsharded parameters bumps their version counter; autograd saved
+            # these same tensors in forward and must not see that as an in-place change
+            with torch.autograd._unsafe_preserve_version_counter(self.flat_full):
+                self._gather = (comm.all_gather(output, shard, self.shard_group), output, shard)
         self.state = GATHERING
 
     def wait_unshard(self):
@@ -225,14 +235,12 @@ class ShardedUnit:
         with profiled(f"fsdp::all_gather_wait {self.name}"), torch.no_grad():
             work.wait()
             ledger.log("all_gather_wait", self.name)
-            self._full_memory = self.schedule.buffers.take(self.flat_full.numel(), self.param_dtype)
-            self._swap_full_memory()
-            # copying into the views bumps their version counter; autograd saved these same
-            # tensors in forward and must not see that as an in-place change
-            with torch.autograd._unsafe_preserve_version_counter(self.flat_full):
-                torch.split_with_sizes_copy(output.view(self.world, self.shard_numel),
-                                            [ps.padded_numel for ps in self.params], dim=1, out=self._full_slots)
-            self.schedule.buffers.give(output)
+            if output is not self.flat_full:  # copy out of the rank-major all-gather buffer
+                self._full_memory = self.schedule.buffers.fill(self.flat_full)
+                with torch.autograd._unsafe_preserve_version_counter(self.flat_full):
+                    torch.split_with_sizes_copy(output.view(self.world, self.shard_numel),
+                                                [ps.padded_numel for ps in self.params], dim=1, out=self._full_slots)
+                self.schedule.buffers.give(output)
         for ps in self.params:
             ps.register(ps.unsharded)
         self.state = UNSHARDED
@@ -245,20 +253,10 @@ class ShardedUnit:
             return
         for ps in self.params:
             ps.register(ps.sharded)
-        self._swap_full_memory()  # flat_full's storage is empty again, the pool has the memory
-        self.schedule.buffers.give(self._full_memory)
+        self.schedule.buffers.drain(self.flat_full, self._full_memory)
         self._full_memory = None
         ledger.log("free", self.name)
         self.state = SHARDED
-
-    def _swap_full_memory(self):
-        """Exchange the memory behind flat_full's storage with the pooled buffer's.
-
-        The storage object stays the same, so the unsharded parameters (views) and every tensor
-        autograd saved from them see the new memory: FSDP2 gets this by resizing the storage,
-        which allocates each time; swapping the data pointer lets the memory come from the pool.
-        """
-        self.flat_full.untyped_storage()._swap_data_ptr_(self._full_memory.untyped_storage())
 
     # ---- hooks' bodies (called from api.py) ----------------------------------------------
     def pre_forward(self):
@@ -331,10 +329,11 @@ class ShardedUnit:
         with profiled(f"fsdp::reduce_scatter {self.name}"):
             ledger.log("reduce_scatter", self.name)
             numel = sum(ps.padded_numel for ps in params)
-            rs_input = self.schedule.buffers.take(self.world * numel, self.reduce_dtype)
+            rs_output = torch.empty(numel, dtype=self.reduce_dtype, device=self.compute_device)
+            # one rank: the reduction is the identity, so its input is its output (no copy)
+            rs_input = rs_output if self.world == 1 else self.schedule.buffers.take(self.world * numel, self.reduce_dtype)
             torch._chunk_cat(grads, dim=0, num_chunks=self.world, out=rs_input.view(self.world, -1))
             grads.clear()  # the unsharded gradients are freed here
-            rs_output = torch.empty(numel, dtype=self.reduce_dtype, device=self.compute_device)
             work = comm.reduce_scatter(rs_output, rs_input, self.shard_group)
             self._reduction = (work, rs_input, rs_output, params)
             self.schedule.pending_reductions.append(self)
@@ -346,7 +345,8 @@ class ShardedUnit:
         self._reduction = None
         with profiled(f"fsdp::reduce_scatter_wait {self.name}"):
             work.wait()
-            self.schedule.buffers.give(rs_input)
+            if rs_input is not output:  # (else the sharded grads below are views into it)
+                self.schedule.buffers.give(rs_input)
             ledger.log("reduce_scatter_wait", self.name)
             if self.replicate_group is not None:  # HSDP: then average across replicas
                 if self._partial_reduction is not None:
@@ -362,6 +362,8 @@ class ShardedUnit:
                 local = output[offset:offset + ps.local_numel].view(ps.local_shape)
                 offset += ps.padded_numel
                 if ps.sharded.grad is None:
-                    ps.sharded.grad = self._as_dtensor(local, ps)
+                    # DTensor's own constructor with the parameter's spec: from_local() costs an
+                    # autograd node and a spec per call, ~50 us of CPU per parameter and step
+                    ps.sharded.grad = DTensor(local, ps.sharded._spec, requires_grad=False)
                 else:
                     ps.sharded.grad.to_local().add_(local)

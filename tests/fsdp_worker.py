@@ -10,6 +10,7 @@ losses, grad norms and final parameters. Rank 0 writes everything to OUT.json; t
 test_fsdp_impl.py asserts on it. A mode that raises records its traceback instead of numbers,
 so one broken mode does not hide the others.
 """
+import gc
 import json
 import math
 import os
@@ -18,8 +19,10 @@ import tempfile
 import time
 import traceback
 import warnings
+import weakref
 import zlib
 from pathlib import Path
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -37,6 +40,7 @@ from fsdp_impl import MixedPrecisionPolicy as OurMixedPrecision  # noqa: E402
 from fsdp_impl import fully_shard as our_fully_shard  # noqa: E402
 from fsdp_impl import comm  # noqa: E402
 from fsdp_impl.comm import ledger  # noqa: E402
+from fsdp_impl.schedule import BufferPool  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 
 warnings.filterwarnings("ignore", message=".*returned a view tensor.*")
@@ -322,6 +326,14 @@ def parity_modes(world, mesh1d, mesh2d):
                      micro_setup=setup)
     modes["no_reshard_after_backward_sync_on"] = no_reshard_after_backward_sync_on
 
+    def no_buffer_pool(impl):  # CUDA's memory path on CPU: fresh buffers, flat_full by storage resize
+        with mock.patch.dict(BufferPool.REUSE, {"cpu": False}):
+            model = build_gpt(impl, mesh1d)
+            r = train(model, "no_buffer_pool", micro=MICRO, micro_setup=sync_off)
+        pooled = impl == "ours" and model._fsdp_unit.schedule.buffers.reuse
+        return (*r, {f"{impl}_pooled": pooled})
+    modes["no_buffer_pool"] = no_buffer_pool
+
     bf16 = dict(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 
     @no_extra
@@ -351,6 +363,9 @@ def parity_modes(world, mesh1d, mesh2d):
         # ours from the meta device; FSDP2 built normally (the reference for the numbers)
         model = build_gpt(impl, mesh1d, meta=(impl == "ours"))
         extra = {}
+        # the tensors to_empty() made: the first forward copies them into flat shards, then frees them
+        with torch.no_grad():  # (to_local() with grad on would itself keep them alive)
+            replaced = [weakref.ref(p.to_local()) for p in model.parameters()] if impl == "ours" else []
         if impl == "ours":
             plain = GPT(GPTConfig(**CFG))
             plain.init_weights(0)
@@ -361,7 +376,11 @@ def parity_modes(world, mesh1d, mesh2d):
             extra["meta_init_bitwise"] = all(torch.equal(got[n], ref[n]) for n in got)
             extra["meta_on_cpu"] = all(p.device.type == "cpu" and p.to_local().device.type == "cpu"
                                        for p in model.parameters())
-        return (*train(model, "meta_init"), extra)
+        r = train(model, "meta_init")
+        if impl == "ours":
+            gc.collect()
+            extra["meta_replaced_alive"] = sum(ref() is not None for ref in replaced)
+        return (*r, extra)
     modes["meta_init"] = meta_init
 
     @no_extra

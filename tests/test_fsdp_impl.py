@@ -63,11 +63,12 @@ def _no_error(section, what):
 # ---- parity with FSDP2 ----------------------------------------------------------------------
 PARITY_MODES = ["default", "grouped_blocks", "zero2", "grad_accum", "grad_accum_sync_each",
                 "no_reshard_after_backward", "no_reshard_after_backward_sync_on", "bf16_mp",
-                "bf16_grad_accum", "meta_init", "eval_between_steps", "resume", "grad_clip",
+                "bf16_grad_accum", "no_buffer_pool", "meta_init", "eval_between_steps", "resume", "grad_clip",
                 "activation_checkpointing", "odd_model", "odd_model_frozen"]
 HSDP_MODES = ["hsdp", "hsdp_all_reduce_off"]
 MICRO_STEP_MODES = {"grad_accum", "grad_accum_sync_each", "no_reshard_after_backward",
-                    "no_reshard_after_backward_sync_on", "bf16_grad_accum", "hsdp_all_reduce_off"}
+                    "no_reshard_after_backward_sync_on", "bf16_grad_accum", "no_buffer_pool",
+                    "hsdp_all_reduce_off"}
 PARITY_CASES = [(w, m) for w in WORLDS for m in PARITY_MODES] + [(4, m) for m in HSDP_MODES]
 
 
@@ -94,10 +95,17 @@ def _extra(results, world, mode):
 
 
 @pytest.mark.parametrize("world", WORLDS)
+def test_no_buffer_pool_path_ran(results, world):
+    """The no_buffer_pool parity mode really took CUDA's path (storage resize, no pool)."""
+    assert _extra(results, world, "no_buffer_pool")["ours_pooled"] is False
+
+
+@pytest.mark.parametrize("world", WORLDS)
 def test_meta_init_matches_plain_model(results, world):
     x = _extra(results, world, "meta_init")
     assert x["meta_names_match"] and x["meta_on_cpu"]
     assert x["meta_init_diff"] == 0.0 and x["meta_init_bitwise"]
+    assert x["meta_replaced_alive"] == 0, "the tensors to_empty() made outlive the copy into the flat shards"
 
 
 @pytest.mark.parametrize("world", WORLDS)
