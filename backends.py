@@ -7,7 +7,7 @@ The one place where the distributed backends differ. train.py talks to a Backend
     with backend.autocast(): loss = model(x, y)       # mixed precision where the backend needs autocast
     backend.set_grad_sync(model, is_last_micro_step)  # no_sync-style accumulation
     backend.backward(loss)
-    norm = backend.clip_grad_norm(model, optimizer, max_norm)  # total norm before clipping (float)
+    norm = backend.clip_grad_norm(model, optimizer, max_norm)  # total norm before clipping (0-dim tensor)
     backend.step(optimizer)
 
 `fsdp` is PyTorch's FSDP2 (torch.distributed.fsdp.fully_shard); `custom_fsdp` is ours
@@ -128,12 +128,13 @@ class Backend:
 
     @torch.no_grad()
     def clip_grad_norm(self, model, optimizer, max_norm):
-        """Total gradient norm before clipping; clips in place when max_norm > 0."""
+        """Total gradient norm before clipping, a 0-dim tensor on the device (reading it waits
+        for the device: train.py reads it once, with the loss); clips in place when max_norm > 0."""
         params = [p for p in model.parameters() if p.grad is not None]
         norm = torch.nn.utils.get_total_norm([p.grad for p in params])
         if max_norm > 0:
             torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
-        return (norm.full_tensor() if isinstance(norm, DTensor) else norm).item()
+        return norm.full_tensor() if isinstance(norm, DTensor) else norm
 
     def step(self, optimizer):
         optimizer.step()
@@ -240,8 +241,11 @@ class FSDPBackend(Backend):
     def wrap(self, model, materialize):
         blocks = list(model.transformer.h)
         if self.cfg["compile"]:
-            for b in blocks:  # compile each block's forward; the FSDP hooks stay outside the graph
+            # compile each block's forward and the output layer with the loss; the FSDP hooks
+            # stay outside the graphs
+            for b in blocks:
                 b.forward = torch.compile(b.forward)
+            model.logits_and_loss = torch.compile(model.logits_and_loss)
         kwargs = dict(mesh=self.mesh, reshard_after_forward=self.cfg["reshard_after_forward"],
                       mp_policy=self.mp_policy)
         if self.offload_policy is not None:

@@ -205,7 +205,7 @@ if pretrained is not None and block_size < model.config.block_size:
     fail(f"block_size={block_size} is smaller than the pretrained model's; crop it after loading")
 model = back.wrap(model, materialize)
 gpt = back.unwrap(model)
-optimizer = gpt.configure_optimizers(weight_decay, learning_rate, (beta1, beta2))
+optimizer = gpt.configure_optimizers(weight_decay, learning_rate, (beta1, beta2), device_type)
 if init_from == "resume":
     try:
         checkpoint.load(ckpt_path, model, optimizer)
@@ -228,7 +228,7 @@ def estimate_loss():
             k = rank + j * world_size
             X, Y = get_batch(split, 2**40 + split_id, k % eval_iters)  # not an iteration number
             with back.autocast():
-                _, loss = model(X, Y)
+                loss = model(X, Y)[1]
             if k < eval_iters:
                 total += loss.double()
         if world_size > 1:
@@ -303,14 +303,17 @@ while True:
         X, Y = get_batch("train", iter_num, k)
         torch.manual_seed(seed * 1_000_003 + iter_num * 1009 + k)  # dropout masks, fixed like the data
         with back.autocast():
-            _, loss = model(X, Y)
-            loss = loss / local_steps  # mean over this rank's micro-batches; ranks average grads
+            # [1]: keep the loss, drop the logits (at GPT-2 size 1.2 GB that would otherwise
+            # stay alive through the next micro-step's forward)
+            loss = model(X, Y)[1] / local_steps  # mean over this rank's micro-batches; ranks average grads
         back.backward(loss)
         loss_sum += loss.detach()
     if world_size > 1:
         dist.all_reduce(loss_sum)  # exact mean over the global batch, not rank 0's share
-    loss_mean = loss_sum.item() / world_size
     grad_norm = back.clip_grad_norm(model, optimizer, grad_clip)
+    # one wait for the device, for both numbers, once the clipping is queued too
+    loss_total, grad_norm = torch.stack([loss_sum, grad_norm.to(device, loss_sum.dtype)]).tolist()
+    loss_mean = loss_total / world_size
     # checked before the weights change (with float16's loss scaling an inf norm is routine: the scaler skips)
     if not math.isfinite(loss_mean) or not (math.isfinite(grad_norm) or back.loss_scaling):
         if on_nonfinite == "stop":

@@ -127,8 +127,14 @@ class FSDPModule:
     """Methods every fully_shard-ed module gains. Setters apply to all units below by default."""
 
     def _units(self, recurse=True):
-        mods = self.modules() if recurse else [self]
-        return [m._fsdp_unit for m in mods if hasattr(m, "_fsdp_unit")]
+        if not recurse:
+            return [self._fsdp_unit]
+        units = self.__dict__.get("_fsdp_units_below")
+        if units is None:
+            units = list({m._fsdp_unit: None for m in self.modules() if hasattr(m, "_fsdp_unit")})
+            if self._fsdp_unit.schedule is not None:  # after lazy init the tree is final: keep the list
+                self.__dict__["_fsdp_units_below"] = units
+        return units
 
     def unshard(self, async_op=False):
         unit = self._fsdp_unit
