@@ -184,7 +184,7 @@ class ShardedUnit:
                             .view(self.world, -1) for ps in self.params]
         self.flat_full.untyped_storage().resize_(0)
 
-    @torch.no_grad()  # to_local() with grad on caches an autograd node that would keep the old tensors alive
+    @torch.no_grad()  # (with grad on, the copy would record a graph back to the replaced tensors, keeping them)
     def _adopt_materialized_params(self):
         """After module.to_empty(), parameters hold fresh tensors: copy them back into a flat shard."""
         if not self.params or all(

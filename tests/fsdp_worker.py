@@ -364,13 +364,16 @@ def parity_modes(world, mesh1d, mesh2d):
         model = build_gpt(impl, mesh1d, meta=(impl == "ours"))
         extra = {}
         # the tensors to_empty() made: the first forward copies them into flat shards, then frees them
-        with torch.no_grad():  # (to_local() with grad on would itself keep them alive)
-            replaced = [weakref.ref(p.to_local()) for p in model.parameters()] if impl == "ours" else []
+        # (_local_tensor itself: to_local() of a parameter returns a fresh view)
+        replaced = [weakref.ref(p._local_tensor) for p in model.parameters()] if impl == "ours" else []
         if impl == "ours":
             plain = GPT(GPTConfig(**CFG))
             plain.init_weights(0)
             ref = dict(plain.named_parameters())
-            got = {n: p.full_tensor() for n, p in model.named_parameters()}
+            # copies, without a graph: an alias (W=1) or a graph through the parameters would
+            # itself keep the replaced tensors alive
+            with torch.no_grad():
+                got = {n: p.full_tensor().clone() for n, p in model.named_parameters()}
             extra["meta_names_match"] = sorted(ref) == sorted(got)
             extra["meta_init_diff"] = max((got[n] - ref[n]).abs().max().item() for n in got)
             extra["meta_init_bitwise"] = all(torch.equal(got[n], ref[n]) for n in got)
