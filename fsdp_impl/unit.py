@@ -10,9 +10,13 @@ Memory layout (W ranks in the shard group, rank r):
     all-gather   [W, S]     rank-major, as the collective writes it; copied out once into
     flat_full    [W * S]    parameter-major: parameter i's full (padded) tensor is contiguous, and
                             the unsharded parameters used by forward/backward are views into it.
-                            Its storage borrows a buffer from the root's pool while the unit is
-                            unsharded and is empty otherwise (the views, and the tensors autograd
-                            saved, stay valid and come back to life when it is refilled).
+                            Its storage holds memory (a buffer of the root's pool on CPU, a
+                            resize on CUDA) while the unit is unsharded and is empty otherwise
+                            (the views, and the tensors autograd saved, stay valid and come back
+                            to life when it is refilled).
+
+With one rank the shard already has the full layout: the all-gather is a copy straight into
+flat_full and the reduce-scatter is the identity (its input becomes the sharded .grads).
 
 Gradients go the other way: unsharded grads -> [W, S] (torch._chunk_cat pads each to the row
 layout above) -> one reduce-scatter (AVG) -> [S], whose pieces become the sharded DTensor .grads.
@@ -219,8 +223,9 @@ class ShardedUnit:
                 if shard.dtype != self.param_dtype or shard.device != self.compute_device:
                     shard = shard.to(self.compute_device, self.param_dtype, non_blocking=True)
                 output = self.schedule.buffers.take(self.world * self.shard_numel, self.param_dtype)
-            # writing into the unsharded parameters bumps their version counter; autograd saved
-            # these same tensors in forward and must not see that as an in-place change
+            # with one rank this writes into the unsharded parameters, which bumps their version
+            # counter; autograd saved these same tensors in forward and must not see that as an
+            # in-place change (the copy-out below is guarded the same way)
             with torch.autograd._unsafe_preserve_version_counter(self.flat_full):
                 self._gather = (comm.all_gather(output, shard, self.shard_group), output, shard)
         self.state = GATHERING
@@ -331,7 +336,8 @@ class ShardedUnit:
             numel = sum(ps.padded_numel for ps in params)
             rs_output = torch.empty(numel, dtype=self.reduce_dtype, device=self.compute_device)
             # one rank: the reduction is the identity, so its input is its output (no copy)
-            rs_input = rs_output if self.world == 1 else self.schedule.buffers.take(self.world * numel, self.reduce_dtype)
+            rs_input = rs_output if self.world == 1 else \
+                self.schedule.buffers.take(self.world * numel, self.reduce_dtype)
             torch._chunk_cat(grads, dim=0, num_chunks=self.world, out=rs_input.view(self.world, -1))
             grads.clear()  # the unsharded gradients are freed here
             work = comm.reduce_scatter(rs_output, rs_input, self.shard_group)
