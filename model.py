@@ -148,7 +148,7 @@ class GPT(nn.Module):
         loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
         return logits, loss
 
-    def configure_optimizers(self, weight_decay, learning_rate, betas, device_type="cpu"):
+    def configure_optimizers(self, weight_decay, learning_rate, betas, device_type):
         """AdamW with weight decay on matrices only (not on biases and LayerNorm gains)."""
         params = [p for p in self.parameters() if p.requires_grad]
         groups = [

@@ -69,7 +69,7 @@ def all_gather(output, shard, group):
     """
     ledger.count("all_gather", output.numel() * output.element_size())
     if group.size() == 1:
-        output.copy_(shard)
+        output.copy_(shard, non_blocking=True)  # (asynchronous from a pinned, offloaded shard)
         return _Exchange()
     if dist.get_backend(group) == "gloo" and output.is_cpu:
         return _ExchangeGather(output, shard, group)
@@ -81,8 +81,9 @@ class _ExchangeGather(_Exchange):
 
     gloo's all-gather allocates an output-sized buffer per call and copies out of it: a fresh
     unit-sized allocation every time, which on CPU lands on new heap pages (about 225 MB of
-    them per step at 47M parameters; see IMPLEMENTATION.md). Here nothing is allocated and nothing is copied twice;
-    each rank sends W-1 shards, as gloo's ring does. No arithmetic, so the bits are the same.
+    them per step at 47M parameters; see IMPLEMENTATION.md). Here nothing is allocated and
+    nothing is copied twice; each rank sends W-1 shards, as gloo's ring does. No arithmetic, so
+    the bits are the same.
     """
 
     def __init__(self, output, shard, group):
