@@ -85,13 +85,16 @@ def bench_backends(args, extra):
             results[b].append(summarize_run(run_train(b, args.nproc, out, args.steps, extra)))
             print(f"  repeat {rep} {b}: {results[b][-1]['step_ms']:.1f} ms/step", flush=True)
     table = {b: median_of(runs) for b, runs in results.items()}
-    for b in args.backends:  # one profiled run each: exposed communication
+    for b in args.backends if args.exposed else ():  # one profiled run each: exposed communication
         out = os.path.join(args.work_dir, f"{b}-profile")
         run_train(b, args.nproc, out, max(args.steps, 7), extra, profile=True)
         with open(os.path.join(out, "traces", b, "rank0.json")) as f:
             s = overlap.summarize(overlap.analyse(json.load(f)))
         table[b] |= {"exposed_comm_ms": s.get("exposed_ms"), "comm_ms": s.get("comm_ms"),
                      "hidden_fraction": s.get("hidden_fraction")}
+    if not args.exposed:
+        for row in table.values():
+            row |= {"exposed_comm_ms": None, "comm_ms": None, "hidden_fraction": None}
     first = table[args.backends[0]]
     cols = [("step_ms", "step ms"), ("tokens_per_sec", "tokens/s"), ("peak_mem_mb", "peak mem MB"),
             ("state_mb", "params+optim MB"), ("all_gather_mb", "AG MB/step"), ("reduce_scatter_mb", "RS MB/step"),
@@ -187,6 +190,9 @@ def main():
     p.add_argument("--comm", action="store_true")
     p.add_argument("--work_dir", default="bench_out")
     p.add_argument("--json", default=None)
+    # one world-size-1 GPU has no communication to expose, and a profiled compile run takes a minute
+    p.add_argument("--exposed", type=lambda v: v.lower() in ("1", "true"), default=True,
+                   help="one extra profiled run per backend for the exposed communication (True/False)")
     args, extra = p.parse_known_args()
     args.backends = args.backends.split(",")
     result = bench_comm(args) if args.comm else sweep(args, extra) if args.sweep else bench_backends(args, extra)

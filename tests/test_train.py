@@ -260,11 +260,13 @@ def test_accumulation_syncs_on_last_microstep_only(accum_counts, backend):
 # 6. torch.compile
 
 
-def test_compile_matches_eager(runs_a, tiny_args, tmp_path):
+@pytest.mark.parametrize("wrap_policy", ["block", "model"])  # per-block graphs; one whole-forward graph
+def test_compile_matches_eager(runs_a, tiny_args, tmp_path, wrap_policy):
     out = tmp_path / "compiled"
     args = [a for a in tiny_args if not a.startswith("--compile")]
     config = [a for a in CONFIG_A if not a.startswith("--max_iters")]
-    train_ok(out, 2, *args, *config, "--max_iters=3", "--compile=True", "--dist_backend=custom_fsdp", timeout=540)
+    train_ok(out, 2, *args, *config, "--max_iters=3", "--compile=True", "--dist_backend=custom_fsdp",
+             f"--wrap_policy={wrap_policy}", timeout=540)
     assert_close(losses(out), only(losses(runs_a["custom_fsdp"]), range(3)), 1e-4, "compiled vs eager")
 
 
