@@ -311,10 +311,16 @@ while True:
     if world_size > 1:
         dist.all_reduce(loss_sum)  # exact mean over the global batch, not rank 0's share
     grad_norm = back.clip_grad_norm(model, optimizer, grad_clip)
-    # one wait for the device, for both numbers, once the clipping is queued too
+    # 'stop' exits on a bad step without saving anything, so it can queue the optimizer step
+    # before looking: the host dispatches it while the device is still in backward. 'skip'
+    # must look first.
+    step_before_check = on_nonfinite == "stop"
+    if step_before_check:
+        back.step(optimizer)
+    # one wait for the device, for both numbers
     loss_total, grad_norm = torch.stack([loss_sum, grad_norm.to(device, loss_sum.dtype)]).tolist()
     loss_mean = loss_total / world_size
-    # checked before the weights change (with float16's loss scaling an inf norm is routine: the scaler skips)
+    # (with float16's loss scaling an inf norm is routine: the scaler skips that step)
     if not math.isfinite(loss_mean) or not (math.isfinite(grad_norm) or back.loss_scaling):
         if on_nonfinite == "stop":
             fail(f"non-finite loss {loss_mean} or grad norm {grad_norm} at iteration {iter_num}; "
@@ -322,7 +328,7 @@ while True:
         if master:
             print(f"iter {iter_num}: non-finite loss {loss_mean} or grad norm {grad_norm}: step skipped")
             log_metrics(iter=iter_num, event="skipped_nonfinite")
-    else:
+    elif not step_before_check:
         back.step(optimizer)
     optimizer.zero_grad(set_to_none=True)
     if trim_heap_each_step:
