@@ -10,7 +10,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import bench  # noqa: E402
-from conftest import run_train  # noqa: E402
+from conftest import REPO, launch, run_train  # noqa: E402
 from fsdp_impl import overlap  # noqa: E402
 
 
@@ -104,6 +104,29 @@ def test_collective_bytes_per_step_match_the_formula(backend, W, char_data, tmp_
     # (custom_fsdp's point-to-point exchanges on gloo count as the collectives they stand for)
     assert comm["reduce_scatter_bytes"] == expected_rs
     assert comm["reduce_scatter_count"] == L + 1
+
+
+@pytest.mark.parametrize("nproc,exposed", [(2, True), (1, False)])
+def test_bench_table_has_every_backend_and_consistent_fields(nproc, exposed, char_data, tmp_path):
+    """bench.py end to end on a tiny model: one row per backend, ratios' base first, the two FSDP
+    backends moving the same bytes, and the profiled run's exposed communication only when asked."""
+    out = tmp_path / "bench.json"
+    res = launch([sys.executable, REPO / "bench.py", "--backends=custom_fsdp,fsdp", f"--nproc={nproc}",
+                  "--repeats=1", "--steps=4", f"--exposed={exposed}", f"--work_dir={tmp_path}", f"--json={out}",
+                  f"--data_dir={char_data}", "--device=cpu", "--n_layer=2", "--n_head=2", "--n_embd=32",
+                  "--block_size=32", "--batch_size=2", "--eval_iters=0"], timeout=300)
+    assert res.returncode == 0, res.describe()
+    table = json.loads(out.read_text())
+    assert table["nproc"] == nproc and list(table["backends"]) == ["custom_fsdp", "fsdp"]
+    ours, theirs = table["backends"]["custom_fsdp"], table["backends"]["fsdp"]
+    for row in (ours, theirs):
+        assert row["step_ms"] > 0 and row["tokens_per_sec"] > 0 and row["peak_mem_mb"] > 0
+        assert row["mfu"] is None  # no peak FLOP/s on CPU
+        assert (row["exposed_comm_ms"] is not None) == exposed and (row["hidden_fraction"] is not None) == exposed
+    assert ours["state_mb"] == theirs["state_mb"]  # the same shards and AdamW state
+    assert ours["all_gather_mb"] == theirs["all_gather_mb"] and ours["reduce_scatter_mb"] == theirs["reduce_scatter_mb"]
+    assert (ours["all_gather_mb"] > 0) == (nproc > 1)  # one rank: nothing to communicate
+    assert "custom_fsdp" in res.stdout and "ratios vs custom_fsdp" in res.stdout
 
 
 def test_train_writes_traces_memory_reports_and_a_memory_trace(char_data, tmp_path):
