@@ -284,12 +284,13 @@ class FSDPBackend(Backend):
         summed over the shard group (x^2, sum, x^(1/2), as DTensor reduces a partial norm); the
         replicas of HSDP hold the same shards and are left out."""
         grads = [p.grad._local_tensor for p in model.parameters() if p.grad is not None]
-        norm = torch.nn.utils.get_total_norm(grads)
+        # (.to: offloaded gradients live in CPU memory, NCCL's collective wants the device)
+        norm = torch.nn.utils.get_total_norm(grads).to(self.device)
         shard_group = self.mesh.get_group(self.mesh.ndim - 1)
         if shard_group.size() > 1:
             norm = norm ** 2
             dist.all_reduce(norm, group=shard_group)
             norm = norm ** (1.0 / 2)
-        if max_norm > 0:  # clip_grads_with_norm_'s scaling (it takes parameters, not gradients)
-            torch._foreach_mul_(grads, torch.clamp(max_norm / (norm + 1e-6), max=1.0))
+        if max_norm > 0 and grads:  # clip_grads_with_norm_'s scaling (it takes parameters, not gradients)
+            torch._foreach_mul_(grads, torch.clamp(max_norm / (norm + 1e-6), max=1.0).to(grads[0].device))
         return norm

@@ -84,7 +84,8 @@ def bench_backends(args, extra):
             out = os.path.join(args.work_dir, f"{b}-r{rep}")
             results[b].append(summarize_run(run_train(b, args.nproc, out, args.steps, extra)))
             print(f"  repeat {rep} {b}: {results[b][-1]['step_ms']:.1f} ms/step", flush=True)
-    table = {b: median_of(runs) for b, runs in results.items()}
+    table = {b: median_of(runs) | {"exposed_comm_ms": None, "comm_ms": None, "hidden_fraction": None}
+             for b, runs in results.items()}
     for b in args.backends if args.exposed else ():  # one profiled run each: exposed communication
         out = os.path.join(args.work_dir, f"{b}-profile")
         run_train(b, args.nproc, out, max(args.steps, 7), extra, profile=True)
@@ -92,9 +93,6 @@ def bench_backends(args, extra):
             s = overlap.summarize(overlap.analyse(json.load(f)))
         table[b] |= {"exposed_comm_ms": s.get("exposed_ms"), "comm_ms": s.get("comm_ms"),
                      "hidden_fraction": s.get("hidden_fraction")}
-    if not args.exposed:
-        for row in table.values():
-            row |= {"exposed_comm_ms": None, "comm_ms": None, "hidden_fraction": None}
     first = table[args.backends[0]]
     cols = [("step_ms", "step ms"), ("tokens_per_sec", "tokens/s"), ("peak_mem_mb", "peak mem MB"),
             ("state_mb", "params+optim MB"), ("all_gather_mb", "AG MB/step"), ("reduce_scatter_mb", "RS MB/step"),
