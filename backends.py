@@ -220,6 +220,7 @@ class FSDPBackend(Backend):
         shape = (replicas, self.world_size // replicas) if replicas > 1 else (self.world_size,)
         names = ("replicate", "shard") if replicas > 1 else ("shard",)
         self.mesh = init_device_mesh(self.device.type, shape, mesh_dim_names=names)
+        self.shard_group = self.mesh.get_group(self.mesh.ndim - 1)
 
     def _groups(self, blocks):
         """Consecutive blocks per unit: one each, all together, or grouped up to min_wrap_params."""
@@ -286,10 +287,9 @@ class FSDPBackend(Backend):
         grads = [p.grad._local_tensor for p in model.parameters() if p.grad is not None]
         # (.to: offloaded gradients live in CPU memory, NCCL's collective wants the device)
         norm = torch.nn.utils.get_total_norm(grads).to(self.device)
-        shard_group = self.mesh.get_group(self.mesh.ndim - 1)
-        if shard_group.size() > 1:
+        if self.shard_group.size() > 1:
             norm = norm ** 2
-            dist.all_reduce(norm, group=shard_group)
+            dist.all_reduce(norm, group=self.shard_group)
             norm = norm ** (1.0 / 2)
         if max_norm > 0 and grads:  # clip_grads_with_norm_'s scaling (it takes parameters, not gradients)
             torch._foreach_mul_(grads, torch.clamp(max_norm / (norm + 1e-6), max=1.0).to(grads[0].device))

@@ -101,6 +101,9 @@ def test_hsdp_across_nodes_matches_plain_fsdp(args, tmp_path):
     hsdp, fsdp = losses(tmp_path / "hsdp"), losses(tmp_path / "fsdp")
     assert hsdp.keys() == fsdp.keys()
     assert max(abs(hsdp[i] - fsdp[i]) for i in hsdp) <= 1e-6
+    # the norm sums the squared shard norms inside a replica only (the replicas hold the same shards)
+    hsdp, fsdp = losses(tmp_path / "hsdp", "grad_norm"), losses(tmp_path / "fsdp", "grad_norm")
+    assert max(abs(hsdp[i] - fsdp[i]) / fsdp[i] for i in hsdp) <= 1e-6
 
 
 def kill_one_worker_after_first_checkpoint(out_dir, cmd, env=None):
