@@ -270,6 +270,32 @@ def test_compile_matches_eager(runs_a, tiny_args, tmp_path, wrap_policy):
     assert_close(losses(out), only(losses(runs_a["custom_fsdp"]), range(3)), 1e-4, "compiled vs eager")
 
 
+WRAP_AND_REPORT_GRAPHS = """
+import sys
+import torch
+from backends import init_distributed, make_backend
+from model import GPT, GPTConfig
+init_distributed("custom_fsdp", "gloo", "cpu", 60)
+cfg = dict(device="cpu", dtype="float32", cpu_offload=False, replicate_degree=1, wrap_policy=sys.argv[1],
+           min_wrap_params=1, reshard_after_forward=True, prefetch=True, compile=True)
+with torch.device("meta"):
+    gpt = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=64, dropout=0.0, bias=False))
+model = make_backend("custom_fsdp", cfg).wrap(gpt, lambda m: m.init_weights(0))
+compiled = lambda f: hasattr(f, "_torchdynamo_orig_callable")
+print(compiled(model.forward), [compiled(b.forward) for b in model.transformer.h], compiled(model.logits_and_loss))
+"""
+
+
+@pytest.mark.parametrize("wrap_policy,expected", [
+    ("model", "True [False, False] False"),  # one unit: the whole forward is one graph
+    ("block", "False [True, True] True"),  # a unit per block: its forward, and the output layer with the loss
+])
+def test_compile_graphs_follow_the_units(wrap_policy, expected):
+    res = launch([sys.executable, "-c", WRAP_AND_REPORT_GRAPHS, wrap_policy], timeout=120)
+    assert res.returncode == 0, res.describe()
+    assert res.stdout.strip().splitlines()[-1] == expected
+
+
 # ---------------------------------------------------------------------------------------------
 # 7. bad input: one 'error:' line, non-zero exit, nothing touched
 
