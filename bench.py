@@ -189,7 +189,7 @@ def main():
     p.add_argument("--work_dir", default="bench_out")
     p.add_argument("--json", default=None)
     # one world-size-1 GPU has no communication to expose, and a profiled compile run takes a minute
-    p.add_argument("--exposed", type=lambda v: {"true": True, "false": False}[v.lower()], default=True,
+    p.add_argument("--exposed", type=lambda v: ("false", "true").index(v.lower()) == 1, default=True,
                    help="one extra profiled run per backend for the exposed communication (True/False)")
     args, extra = p.parse_known_args()
     args.backends = args.backends.split(",")
