@@ -2,6 +2,7 @@
 Side-by-side cost of the backends on the same model and data, from one command.
 
     python bench.py --backends=ddp,fsdp,custom_fsdp --nproc=2 [--repeats=3] [--steps=12] [train.py --key=value ...]
+    python bench.py --backends=custom_fsdp,custom_fsdp:prefetch=False ...   one backend, two settings
     python bench.py --sweep [--backends=...]     per-rank memory and step time at world sizes 1, 2, 4
     python bench.py --comm --nproc=2             all-gather / reduce-scatter time and bus bandwidth by size
 
@@ -10,10 +11,13 @@ noisy machine hits every backend alike. Figures are medians over steps (the firs
 include warm-up, are dropped) and then over repeats; one extra profiled run per backend gives
 the exposed (not overlapped) communication time via fsdp_impl.overlap. Ratios are against the
 first backend. The table is also written as JSON (--json, default bench_out/bench.json).
+A backend may carry its own train.py settings after colons (`fsdp:reshard_after_forward=False`);
+they apply to that row only, on top of the command's.
 """
 import argparse
 import json
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -29,8 +33,19 @@ DEFAULTS = ["--n_layer=4", "--n_head=4", "--n_embd=256", "--batch_size=8", "--bl
             "--dropout=0.0", "--compile=False"]
 
 
-def run_train(backend, nproc, out_dir, steps, extra, profile=False):
-    """One train.py run; returns its metrics.jsonl rows."""
+def split_row(row):
+    """'custom_fsdp:prefetch=False' -> ('custom_fsdp', ['--prefetch=False']): a backend and its own settings."""
+    backend, *settings = row.split(":")
+    for s in settings:
+        if "=" not in s:
+            raise ValueError(f"--backends: '{s}' in '{row}' is not key=value")
+    return backend, [f"--{s}" for s in settings]
+
+
+def run_train(row, nproc, out_dir, steps, extra, profile=False):
+    """One train.py run of a --backends entry; returns its metrics.jsonl rows."""
+    backend, settings = split_row(row)
+    extra = extra + settings  # (the row's own settings come last, so they win)
     shutil.rmtree(out_dir, ignore_errors=True)
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
     args = DEFAULTS + [f"--gradient_accumulation_steps={nproc}"] + extra + [
@@ -40,9 +55,13 @@ def run_train(backend, nproc, out_dir, steps, extra, profile=False):
     proc = subprocess.run(launcher + [os.path.join(HERE, "train.py")] + args, env=env, cwd=HERE,
                           capture_output=True, text=True)
     if proc.returncode:
-        raise SystemExit(f"error: {backend} at {nproc} processes failed:\n{proc.stderr[-3000:]}")
+        raise SystemExit(f"error: {row} at {nproc} processes failed:\n{proc.stderr[-3000:]}")
     with open(os.path.join(out_dir, "metrics.jsonl")) as f:
         return [json.loads(line) for line in f]
+
+
+def dir_name(row):
+    return re.sub(r"[^\w.-]", "_", row)
 
 
 def summarize_run(rows):
@@ -81,15 +100,15 @@ def bench_backends(args, extra):
     results = {b: [] for b in args.backends}
     for rep in range(args.repeats):
         for b in args.backends:  # interleaved
-            out = os.path.join(args.work_dir, f"{b}-r{rep}")
+            out = os.path.join(args.work_dir, f"{dir_name(b)}-r{rep}")
             results[b].append(summarize_run(run_train(b, args.nproc, out, args.steps, extra)))
             print(f"  repeat {rep} {b}: {results[b][-1]['step_ms']:.1f} ms/step", flush=True)
     table = {b: median_of(runs) | {"exposed_comm_ms": None, "comm_ms": None, "hidden_fraction": None}
              for b, runs in results.items()}
     for b in args.backends if args.exposed else ():  # one profiled run each: exposed communication
-        out = os.path.join(args.work_dir, f"{b}-profile")
+        out = os.path.join(args.work_dir, f"{dir_name(b)}-profile")
         run_train(b, args.nproc, out, max(args.steps, 7), extra, profile=True)
-        with open(os.path.join(out, "traces", b, "rank0.json")) as f:
+        with open(os.path.join(out, "traces", split_row(b)[0], "rank0.json")) as f:
             s = overlap.summarize(overlap.analyse(json.load(f)))
         table[b] |= {"exposed_comm_ms": s.get("exposed_ms"), "comm_ms": s.get("comm_ms"),
                      "hidden_fraction": s.get("hidden_fraction")}
@@ -98,11 +117,12 @@ def bench_backends(args, extra):
             ("state_mb", "params+optim MB"), ("all_gather_mb", "AG MB/step"), ("reduce_scatter_mb", "RS MB/step"),
             ("all_reduce_mb", "AR MB/step"), ("exposed_comm_ms", "exposed comm ms")]
     print(f"\n{args.nproc} processes, {args.repeats} repeats, {args.steps} steps; ratios vs {args.backends[0]}")
-    print(" | ".join(["backend".ljust(12)] + [c[1].rjust(20) for c in cols] + ["hidden".rjust(7), "mfu".rjust(6)]))
+    width = max(12, *map(len, table))
+    print(" | ".join(["backend".ljust(width)] + [c[1].rjust(20) for c in cols] + ["hidden".rjust(7), "mfu".rjust(6)]))
     for b, row in table.items():
         hidden = "-" if row["hidden_fraction"] is None else f"{row['hidden_fraction']:.0%}"
         mfu = "-" if row["mfu"] is None else f"{row['mfu']:.1%}"
-        print(" | ".join([b.ljust(12)] + [fmt(row[k], first[k]).rjust(20) for k, _ in cols] + [hidden.rjust(7), mfu.rjust(6)]))
+        print(" | ".join([b.ljust(width)] + [fmt(row[k], first[k]).rjust(20) for k, _ in cols] + [hidden.rjust(7), mfu.rjust(6)]))
     if "ddp" in table:
         print("ddp's gradient all-reduces run inside its C++ reducer, which the counter does not see: "
               "per step they move the gradient bytes once (params MB).")
@@ -114,7 +134,7 @@ def sweep(args, extra):
     print("world size sweep: per-rank memory (params + optimizer state, MB) and step time (ms)")
     for b in args.backends:
         for w in (1, 2, 4):
-            run = summarize_run(run_train(b, w, os.path.join(args.work_dir, f"{b}-w{w}"), args.steps,
+            run = summarize_run(run_train(b, w, os.path.join(args.work_dir, f"{dir_name(b)}-w{w}"), args.steps,
                                           ["--gradient_accumulation_steps=4"] + extra))
             out[f"{b}-w{w}"] = run
             base = out[f"{b}-w1"]
@@ -193,6 +213,13 @@ def main():
                    help="one extra profiled run per backend for the exposed communication (True/False)")
     args, extra = p.parse_known_args()
     args.backends = args.backends.split(",")
+    if len(set(args.backends)) < len(args.backends):
+        p.error(f"--backends lists a row twice: {','.join(args.backends)}")
+    try:
+        for row in args.backends:
+            split_row(row)
+    except ValueError as e:
+        p.error(str(e))
     result = bench_comm(args) if args.comm else sweep(args, extra) if args.sweep else bench_backends(args, extra)
     path = args.json or os.path.join(args.work_dir, "bench.json")
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)

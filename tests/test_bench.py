@@ -129,6 +129,31 @@ def test_bench_table_has_every_backend_and_consistent_fields(nproc, exposed, cha
     assert "custom_fsdp" in res.stdout and "ratios vs custom_fsdp" in res.stdout
 
 
+def test_bench_rows_carry_their_own_settings(char_data, tmp_path):
+    """A --backends entry with settings after colons runs with them: ZeRO-2 (no reshard after
+    forward) skips the backward all-gathers, so its row moves fewer all-gather bytes than the
+    default row of the same backend and the same reduce-scatter bytes."""
+    out = tmp_path / "bench.json"
+    zero2 = "custom_fsdp:reshard_after_forward=False"
+    res = launch([sys.executable, REPO / "bench.py", f"--backends=custom_fsdp,{zero2}", "--nproc=2",
+                  "--repeats=1", "--steps=4", "--exposed=False", f"--work_dir={tmp_path}", f"--json={out}",
+                  f"--data_dir={char_data}", "--device=cpu", "--n_layer=3", "--n_head=2", "--n_embd=32",
+                  "--block_size=32", "--batch_size=2", "--eval_iters=0"], timeout=300)
+    assert res.returncode == 0, res.describe()
+    rows = json.loads(out.read_text())["backends"]
+    assert list(rows) == ["custom_fsdp", zero2]
+    assert rows[zero2]["all_gather_mb"] < rows["custom_fsdp"]["all_gather_mb"]
+    assert rows[zero2]["reduce_scatter_mb"] == rows["custom_fsdp"]["reduce_scatter_mb"]
+
+
+@pytest.mark.parametrize("backends,problem", [("custom_fsdp:prefetch", "not key=value"), ("fsdp,fsdp", "twice")])
+def test_bench_rejects_a_bad_backends_list_before_running(backends, problem, tmp_path):
+    res = subprocess.run([sys.executable, REPO / "bench.py", f"--backends={backends}", f"--work_dir={tmp_path}"],
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 2 and problem in res.stderr.splitlines()[-1]
+    assert not any(tmp_path.iterdir())  # nothing ran
+
+
 def test_train_writes_traces_memory_reports_and_a_memory_trace(char_data, tmp_path):
     res = run_train(tmp_path, 2, f"--data_dir={char_data}", "--n_layer=2", "--n_head=2", "--n_embd=32",
                     "--block_size=32", "--batch_size=2", "--max_iters=6", "--eval_iters=1",
