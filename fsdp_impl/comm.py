@@ -43,6 +43,21 @@ def profiled(name):
     return record_function(name) if torch.autograd.profiler._is_profiler_enabled else nullcontext()
 
 
+def begin_range(name):
+    """Open a named profiler range that a later hook closes with end_range(): a unit's forward or
+    backward spans two hooks, so it cannot be a `with` block. None when no profiler is running."""
+    if not torch.autograd.profiler._is_profiler_enabled:
+        return None
+    profiler_range = record_function(name)
+    profiler_range.__enter__()
+    return profiler_range
+
+
+def end_range(profiler_range):
+    if profiler_range is not None:
+        profiler_range.__exit__(None, None, None)
+
+
 # tags keep the messages of an all-gather and a reduce-scatter in flight at once apart
 GATHER_TAG, REDUCE_TAG = 1, 2
 

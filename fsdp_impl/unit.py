@@ -100,6 +100,7 @@ class ShardedUnit:
         self._full_memory = None  # from buffers.fill(flat_full), for buffers.drain()
         self._reduction = None  # (work, input, output, params) while a reduce-scatter is in flight
         self._partial_reduction = None  # HSDP with all-reduce off: reduce-scattered, not yet averaged
+        self._phase_range = None  # profiler range of this unit's forward or backward, while open
         self._shard()
 
     # ---- construction --------------------------------------------------------------------
@@ -275,11 +276,13 @@ class ShardedUnit:
         for unit in self.schedule.forward_prefetch(self):
             unit.unshard()
         ledger.log("forward", self.name)
+        self._phase_range = comm.begin_range(f"fsdp::forward {self.name}")
 
     def post_forward(self, grad_enabled):
         if self.training_state == "pre_backward":
             return
         ledger.log("forward_end", self.name)
+        self._end_phase_range()
         self.schedule.record_post_forward(self)
         if self.reshard_after_forward:
             self.reshard()
@@ -297,6 +300,11 @@ class ShardedUnit:
         for unit in self.schedule.backward_prefetch(self):
             unit.unshard()
         ledger.log("backward", self.name)
+        self._phase_range = comm.begin_range(f"fsdp::backward {self.name}")
+
+    def _end_phase_range(self):
+        comm.end_range(self._phase_range)
+        self._phase_range = None
 
     def _on_grad_ready(self, param):
         self.grads_to_come -= 1
@@ -310,6 +318,7 @@ class ShardedUnit:
             return
         self.needs_post_backward = False
         ledger.log("backward_end", self.name)
+        self._end_phase_range()
         for ps in self.params:  # a previous micro-step kept an upcast grad: add this one to it
             if ps.accumulated_grad is not None and ps.unsharded.grad is not None:
                 ps.accumulated_grad += ps.unsharded.grad

@@ -166,6 +166,18 @@ def test_train_writes_traces_memory_reports_and_a_memory_trace(char_data, tmp_pa
         assert len(rows) == 3 and all(r["comm_ms"] > 0 and r["compute_ms"] > 0 for r in rows)
         names = {e.get("name", "") for e in trace["traceEvents"]}
         assert {"fsdp::all_gather transformer.h.0", "fsdp::reduce_scatter root"} <= names  # named FSDP phases
+        # each unit's forward and backward are ranges too, once per micro-step: the root's forward
+        # encloses the blocks', which run in order; backward runs them in reverse
+        spans = {}
+        for e in trace["traceEvents"]:
+            if e.get("ph") == "X" and e.get("name", "").startswith(("fsdp::forward ", "fsdp::backward ")):
+                spans.setdefault(e["name"], []).append((e["ts"], e["ts"] + e["dur"]))
+        order = [spans[f"fsdp::{phase} {unit}"] for phase, unit in (
+            ("forward", "root"), ("forward", "transformer.h.0"), ("forward", "transformer.h.1"),
+            ("backward", "transformer.h.1"), ("backward", "transformer.h.0"))]
+        assert len({len(s) for s in order}) == 1 and len(order[0]) >= 3  # three profiled steps
+        for root, f0, f1, b1, b0 in zip(*order):
+            assert root[0] <= f0[0] <= f0[1] <= f1[0] <= f1[1] <= root[1] <= b1[0] <= b1[1] <= b0[0]
         with open(tmp_path / "memory" / f"rank{rank}.json") as f:
             assert any(e.get("name") == "[memory]" for e in json.load(f)["traceEvents"])
     with open(tmp_path / "metrics.jsonl") as f:
