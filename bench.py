@@ -60,8 +60,9 @@ def run_train(row, nproc, out_dir, steps, extra, profile=False):
         return [json.loads(line) for line in f]
 
 
-def dir_name(row):
-    return re.sub(r"[^\w.-]", "_", row)
+def run_dir(args, row, tag):
+    """work_dir/<row>-<tag>, with the row's colons and '=' made safe for a path."""
+    return os.path.join(args.work_dir, re.sub(r"[^\w.-]", "_", row) + f"-{tag}")
 
 
 def summarize_run(rows):
@@ -100,13 +101,13 @@ def bench_backends(args, extra):
     results = {b: [] for b in args.backends}
     for rep in range(args.repeats):
         for b in args.backends:  # interleaved
-            out = os.path.join(args.work_dir, f"{dir_name(b)}-r{rep}")
+            out = run_dir(args, b, f"r{rep}")
             results[b].append(summarize_run(run_train(b, args.nproc, out, args.steps, extra)))
             print(f"  repeat {rep} {b}: {results[b][-1]['step_ms']:.1f} ms/step", flush=True)
     table = {b: median_of(runs) | {"exposed_comm_ms": None, "comm_ms": None, "hidden_fraction": None}
              for b, runs in results.items()}
     for b in args.backends if args.exposed else ():  # one profiled run each: exposed communication
-        out = os.path.join(args.work_dir, f"{dir_name(b)}-profile")
+        out = run_dir(args, b, "profile")
         run_train(b, args.nproc, out, max(args.steps, 7), extra, profile=True)
         with open(os.path.join(out, "traces", split_row(b)[0], "rank0.json")) as f:
             s = overlap.summarize(overlap.analyse(json.load(f)))
@@ -134,7 +135,7 @@ def sweep(args, extra):
     print("world size sweep: per-rank memory (params + optimizer state, MB) and step time (ms)")
     for b in args.backends:
         for w in (1, 2, 4):
-            run = summarize_run(run_train(b, w, os.path.join(args.work_dir, f"{dir_name(b)}-w{w}"), args.steps,
+            run = summarize_run(run_train(b, w, run_dir(args, b, f"w{w}"), args.steps,
                                           ["--gradient_accumulation_steps=4"] + extra))
             out[f"{b}-w{w}"] = run
             base = out[f"{b}-w1"]
