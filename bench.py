@@ -90,10 +90,11 @@ def median_of(runs):
     return {k: (statistics.median(r[k] for r in runs) if runs[0][k] is not None else None) for k in runs[0]}
 
 
-def fmt(value, base, lower_is_better=True):
+def fmt(value, base):
     if value is None:
         return "-"
-    ratio = f" ({value / base:.2f}x)" if base else ""
+    # (no ratio against a figure that prints as 0.0, such as a few scalar all-reduces)
+    ratio = f" ({value / base:.2f}x)" if base and round(base, 1) else ""
     return f"{value:,.1f}{ratio}"
 
 
