@@ -172,7 +172,7 @@ def test_train_writes_traces_memory_reports_and_a_memory_trace(char_data, tmp_pa
         for e in trace["traceEvents"]:
             if e.get("ph") == "X" and e.get("name", "").startswith(("fsdp::forward ", "fsdp::backward ")):
                 spans.setdefault(e["name"], []).append((e["ts"], e["ts"] + e["dur"]))
-        order = [spans[f"fsdp::{phase} {unit}"] for phase, unit in (
+        order = [sorted(spans[f"fsdp::{phase} {unit}"]) for phase, unit in (
             ("forward", "root"), ("forward", "transformer.h.0"), ("forward", "transformer.h.1"),
             ("backward", "transformer.h.1"), ("backward", "transformer.h.0"))]
         assert len({len(s) for s in order}) == 1 and len(order[0]) >= 3  # three profiled steps
