@@ -32,7 +32,7 @@ eval_interval = 250
 eval_iters = 20
 log_interval = 10
 always_save_checkpoint = True  # else only when the validation loss improves
-keep_checkpoints = 2  # complete checkpoints kept in out_dir
+keep_checkpoints = 2  # complete checkpoints kept in out_dir; 0 saves none (bench.py's runs)
 init_from = "scratch"  # 'scratch', 'resume' (latest checkpoint in out_dir) or 'gpt2*'
 # wandb logging
 wandb_log = False
@@ -111,6 +111,8 @@ except BackendError as e:
     fail(str(e))
 if on_nonfinite not in ("stop", "skip"):
     fail(f"unknown on_nonfinite '{on_nonfinite}' (choose stop or skip)")
+if keep_checkpoints < 0:
+    fail(f"keep_checkpoints={keep_checkpoints} is negative (0 saves no checkpoints)")
 if gradient_accumulation_steps % world_size:
     fail(f"gradient_accumulation_steps={gradient_accumulation_steps} is not divisible by the world size {world_size}")
 local_steps = gradient_accumulation_steps // world_size  # micro-batches on this rank per step
@@ -282,7 +284,7 @@ while True:
             log_metrics(iter=iter_num, train_loss=losses["train"], val_loss=losses["val"])
             if wandb_log:
                 wandb.log({"iter": iter_num, "train/loss": losses["train"], "val/loss": losses["val"], "lr": lr})
-        if iter_num > start_iter and (losses["val"] < best_val_loss or always_save_checkpoint):
+        if keep_checkpoints and iter_num > start_iter and (losses["val"] < best_val_loss or always_save_checkpoint):
             best_val_loss = min(best_val_loss, losses["val"])
             checkpoint.save(out_dir, model, optimizer, keep=keep_checkpoints, meta=dict(
                 iter_num=iter_num, best_val_loss=best_val_loss, model_args=model_args, config=config,

@@ -132,14 +132,16 @@ def test_bench_table_has_every_backend_and_consistent_fields(nproc, exposed, cha
 def test_bench_rows_carry_their_own_settings(char_data, tmp_path):
     """A --backends entry with settings after colons runs with them: ZeRO-2 (no reshard after
     forward) skips the backward all-gathers, so its row moves fewer all-gather bytes than the
-    default row of the same backend and the same reduce-scatter bytes."""
+    default row of the same backend and the same reduce-scatter bytes. (With an evaluation at
+    the end, which would save a checkpoint in a training run: benchmark runs save none.)"""
     out = tmp_path / "bench.json"
     zero2 = "custom_fsdp:reshard_after_forward=False"
     res = launch([sys.executable, REPO / "bench.py", f"--backends=custom_fsdp,{zero2}", "--nproc=2",
                   "--repeats=1", "--steps=4", "--exposed=False", f"--work_dir={tmp_path}", f"--json={out}",
                   f"--data_dir={char_data}", "--device=cpu", "--n_layer=3", "--n_head=2", "--n_embd=32",
-                  "--block_size=32", "--batch_size=2", "--eval_iters=0"], timeout=300)
+                  "--block_size=32", "--batch_size=2", "--eval_iters=1"], timeout=300)
     assert res.returncode == 0, res.describe()
+    assert not list(tmp_path.glob("*/ckpt-*"))
     rows = json.loads(out.read_text())["backends"]
     assert list(rows) == ["custom_fsdp", zero2]
     assert rows[zero2]["all_gather_mb"] < rows["custom_fsdp"]["all_gather_mb"]

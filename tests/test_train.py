@@ -328,6 +328,11 @@ def test_unknown_config_key_in_file(tiny_args, tmp_path):
     assert_one_error(res, "foo")
 
 
+def test_negative_keep_checkpoints(tiny_args, tmp_path):
+    res = run_train(tmp_path / "o", None, *tiny_args, "--max_iters=1", "--keep_checkpoints=-1")
+    assert_one_error(res, "keep_checkpoints", "-1")
+
+
 def test_unknown_dtype(tiny_args, tmp_path):
     res = run_train(tmp_path / "o", None, *tiny_args, "--max_iters=1", "--dtype=float8")
     assert_one_error(res, "dtype", "float8")
