@@ -29,7 +29,7 @@ from model import GPT, GPTConfig, load_pretrained_gpt2
 # I/O
 out_dir = "out"
 eval_interval = 250
-eval_iters = 20
+eval_iters = 20  # batches per split in each evaluation; 0 skips evaluation
 log_interval = 10
 always_save_checkpoint = True  # else only when the validation loss improves
 keep_checkpoints = 2  # complete checkpoints kept in out_dir; 0 saves none (bench.py's runs)
@@ -113,6 +113,8 @@ if on_nonfinite not in ("stop", "skip"):
     fail(f"unknown on_nonfinite '{on_nonfinite}' (choose stop or skip)")
 if keep_checkpoints < 0:
     fail(f"keep_checkpoints={keep_checkpoints} is negative (0 saves no checkpoints)")
+if eval_iters < 0:
+    fail(f"eval_iters={eval_iters} is negative (0 skips evaluation)")
 if gradient_accumulation_steps % world_size:
     fail(f"gradient_accumulation_steps={gradient_accumulation_steps} is not divisible by the world size {world_size}")
 local_steps = gradient_accumulation_steps // world_size  # micro-batches on this rank per step
@@ -278,14 +280,15 @@ while True:
     for group in optimizer.param_groups:
         group["lr"] = lr
     if iter_num % eval_interval == 0 or iter_num == max_iters:
-        losses = estimate_loss()
-        if master:
+        losses = estimate_loss() if eval_iters else None  # eval_iters=0: no evaluation
+        if master and losses:
             print(f"step {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
             log_metrics(iter=iter_num, train_loss=losses["train"], val_loss=losses["val"])
             if wandb_log:
                 wandb.log({"iter": iter_num, "train/loss": losses["train"], "val/loss": losses["val"], "lr": lr})
-        if keep_checkpoints and iter_num > start_iter and (losses["val"] < best_val_loss or always_save_checkpoint):
-            best_val_loss = min(best_val_loss, losses["val"])
+        improved = losses is not None and losses["val"] < best_val_loss
+        if keep_checkpoints and iter_num > start_iter and (improved or always_save_checkpoint):
+            best_val_loss = losses["val"] if improved else best_val_loss
             checkpoint.save(out_dir, model, optimizer, keep=keep_checkpoints, meta=dict(
                 iter_num=iter_num, best_val_loss=best_val_loss, model_args=model_args, config=config,
                 dist_backend=dist_backend, world_size=world_size))

@@ -328,9 +328,24 @@ def test_unknown_config_key_in_file(tiny_args, tmp_path):
     assert_one_error(res, "foo")
 
 
-def test_negative_keep_checkpoints(tiny_args, tmp_path):
-    res = run_train(tmp_path / "o", None, *tiny_args, "--max_iters=1", "--keep_checkpoints=-1")
-    assert_one_error(res, "keep_checkpoints", "-1")
+def test_eval_iters_zero_skips_evaluation(tiny_args, tmp_path):
+    """eval_iters=0: no evaluation rows (it used to log a NaN validation loss), and the final
+    checkpoint is still saved, since always_save_checkpoint is on by default."""
+    res = run_train(tmp_path / "o", None, *tiny_args, "--max_iters=2", "--eval_iters=0")
+    assert res.returncode == 0, res.describe()
+
+    def no_nan(name):
+        raise AssertionError(f"{name} in metrics.jsonl")
+    with open(tmp_path / "o" / "metrics.jsonl") as f:
+        rows = [json.loads(line, parse_constant=no_nan) for line in f]
+    assert not any("val_loss" in r for r in rows) and sum("loss" in r for r in rows) == 2
+    assert list((tmp_path / "o").glob("ckpt-0000002"))
+
+
+@pytest.mark.parametrize("key", ["keep_checkpoints", "eval_iters"])
+def test_negative_counts(key, tiny_args, tmp_path):
+    res = run_train(tmp_path / "o", None, *tiny_args, "--max_iters=1", f"--{key}=-1")
+    assert_one_error(res, key, "-1")
 
 
 def test_unknown_dtype(tiny_args, tmp_path):
