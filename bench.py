@@ -99,6 +99,25 @@ def fmt(value, base):
     return f"{value:,.1f}{ratio}"
 
 
+def print_table(table):
+    """One row per backend, each figure with its ratio to the first row's."""
+    first = next(iter(table.values()))
+    cols = [("step_ms", "step ms"), ("tokens_per_sec", "tokens/s"), ("peak_mem_mb", "peak mem MB"),
+            ("state_mb", "params+optim MB"), ("all_gather_mb", "AG MB/step"), ("reduce_scatter_mb", "RS MB/step"),
+            ("all_reduce_mb", "AR MB/step"), ("exposed_comm_ms", "exposed comm ms")]
+    if first["reserved_mb"] is not None:  # CUDA: the caching allocator's reserve beside the peak
+        cols.insert(3, ("reserved_mb", "reserved MB"))
+    width = max(12, *map(len, table))
+    print(" | ".join(["backend".ljust(width)] + [c[1].rjust(20) for c in cols] + ["hidden".rjust(7), "mfu".rjust(6)]))
+    for b, row in table.items():
+        hidden = "-" if row["hidden_fraction"] is None else f"{row['hidden_fraction']:.0%}"
+        mfu = "-" if row["mfu"] is None else f"{row['mfu']:.1%}"
+        print(" | ".join([b.ljust(width)] + [fmt(row[k], first[k]).rjust(20) for k, _ in cols] + [hidden.rjust(7), mfu.rjust(6)]))
+    if "ddp" in table:
+        print("ddp's gradient all-reduces run inside its C++ reducer, which the counter does not see: "
+              "per step they move the gradient bytes once (params MB).")
+
+
 def bench_backends(args, extra):
     results = {b: [] for b in args.backends}
     for rep in range(args.repeats):
@@ -115,20 +134,8 @@ def bench_backends(args, extra):
             s = overlap.summarize(overlap.analyse(json.load(f)))
         table[b] |= {"exposed_comm_ms": s.get("exposed_ms"), "comm_ms": s.get("comm_ms"),
                      "hidden_fraction": s.get("hidden_fraction")}
-    first = table[args.backends[0]]
-    cols = [("step_ms", "step ms"), ("tokens_per_sec", "tokens/s"), ("peak_mem_mb", "peak mem MB"),
-            ("state_mb", "params+optim MB"), ("all_gather_mb", "AG MB/step"), ("reduce_scatter_mb", "RS MB/step"),
-            ("all_reduce_mb", "AR MB/step"), ("exposed_comm_ms", "exposed comm ms")]
     print(f"\n{args.nproc} processes, {args.repeats} repeats, {args.steps} steps; ratios vs {args.backends[0]}")
-    width = max(12, *map(len, table))
-    print(" | ".join(["backend".ljust(width)] + [c[1].rjust(20) for c in cols] + ["hidden".rjust(7), "mfu".rjust(6)]))
-    for b, row in table.items():
-        hidden = "-" if row["hidden_fraction"] is None else f"{row['hidden_fraction']:.0%}"
-        mfu = "-" if row["mfu"] is None else f"{row['mfu']:.1%}"
-        print(" | ".join([b.ljust(width)] + [fmt(row[k], first[k]).rjust(20) for k, _ in cols] + [hidden.rjust(7), mfu.rjust(6)]))
-    if "ddp" in table:
-        print("ddp's gradient all-reduces run inside its C++ reducer, which the counter does not see: "
-              "per step they move the gradient bytes once (params MB).")
+    print_table(table)
     return {"nproc": args.nproc, "repeats": args.repeats, "steps": args.steps, "extra": extra, "backends": table}
 
 

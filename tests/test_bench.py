@@ -74,6 +74,21 @@ def test_summarize_run_fields_and_medians():
     assert s["loss"] == pytest.approx(3.6)
 
 
+@pytest.mark.parametrize("cuda", [True, False])
+def test_table_prints_ratios_and_reserved_memory_on_cuda(cuda, capsys):
+    def row(step_ms, peak, reserved, all_reduce_mb):
+        return {"step_ms": step_ms, "tokens_per_sec": 1e5 / step_ms, "peak_mem_mb": peak, "state_mb": 10.0,
+                "reserved_mb": reserved if cuda else None, "all_gather_mb": 0.0, "reduce_scatter_mb": 0.0,
+                "all_reduce_mb": all_reduce_mb, "exposed_comm_ms": None, "hidden_fraction": None, "mfu": None}
+    bench.print_table({"ddp": row(30.0, 9000.0, 9500.0, 1e-6), "custom_fsdp:wrap_policy=model": row(28.5, 8100.0, 8550.0, 2e-6)})
+    header, base, ours, ddp_note = capsys.readouterr().out.splitlines()
+    assert ("reserved MB" in header) == cuda
+    assert ours.startswith("custom_fsdp:wrap_policy=model |") and "28.5 (0.95x)" in ours and "8,100.0 (0.90x)" in ours
+    assert ("8,550.0 (0.90x)" in ours) == cuda
+    assert "(2.00x)" not in ours  # no ratio between two figures that print as 0.0
+    assert ddp_note.startswith("ddp's gradient all-reduces")
+
+
 def shard_numel(shapes, world):
     """Per-rank elements of one unit: every parameter padded to ceil(dim0 / W) rows."""
     return sum(math.ceil(s[0] / world) * math.prod(s[1:]) for s in shapes)
