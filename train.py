@@ -209,7 +209,7 @@ if pretrained is not None and block_size < model.config.block_size:
     fail(f"block_size={block_size} is smaller than the pretrained model's; crop it after loading")
 model = back.wrap(model, materialize)
 gpt = back.unwrap(model)
-optimizer = gpt.configure_optimizers(weight_decay, learning_rate, (beta1, beta2), device_type)
+optimizer = gpt.configure_optimizers(weight_decay, learning_rate, (beta1, beta2))
 if init_from == "resume":
     try:
         checkpoint.load(ckpt_path, model, optimizer)
