@@ -129,11 +129,18 @@ class Backend:
     def clip_grad_norm(self, model, optimizer, max_norm):
         """Total gradient norm before clipping, a 0-dim tensor on the device (reading it waits
         for the device: train.py reads it once, with the loss); clips in place when max_norm > 0."""
-        params = [p for p in model.parameters() if p.grad is not None]
-        norm = torch.nn.utils.get_total_norm([p.grad for p in params])
-        if max_norm > 0:
-            torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+        grads = self.local_grads(model)
+        norm = self.total_norm(grads)
+        if max_norm > 0 and grads:  # clip_grads_with_norm_'s scaling (it takes parameters, not gradients)
+            torch._foreach_mul_(grads, torch.clamp(max_norm / (norm + 1e-6), max=1.0).to(grads[0].device))
         return norm
+
+    def local_grads(self, model):
+        """The gradients this rank holds, in the model's parameter order."""
+        return [p.grad for p in model.parameters() if p.grad is not None]
+
+    def total_norm(self, grads):
+        return torch.nn.utils.get_total_norm(grads)
 
     def step(self, optimizer):
         optimizer.step()
@@ -278,19 +285,19 @@ class FSDPBackend(Backend):
     def set_grad_sync(self, model, enabled):
         model.set_requires_gradient_sync(enabled)
 
-    @torch.no_grad()
-    def clip_grad_norm(self, model, optimizer, max_norm):
-        """As Backend's, on the local shards: DTensor would dispatch each foreach op per gradient
-        (about 1 ms of host time per step for a 75-parameter GPT). Each rank's squared norm is
-        summed over the shard group (x^2, sum, x^(1/2), as DTensor reduces a partial norm); the
-        replicas of HSDP hold the same shards and are left out."""
-        grads = [p.grad._local_tensor for p in model.parameters() if p.grad is not None]
+    def local_grads(self, model):
+        """The local shards of the gradients: through DTensor each foreach op of the norm and the
+        clipping would be a Python dispatch per gradient (about 1 ms of host time per step for a
+        75-parameter GPT)."""
+        return [p.grad._local_tensor for p in model.parameters() if p.grad is not None]
+
+    def total_norm(self, grads):
+        """Each rank's squared norm summed over the shard group (x^2, sum, x^(1/2), as DTensor
+        reduces a partial norm); the replicas of HSDP hold the same shards and are left out."""
         # (.to: offloaded gradients live in CPU memory, NCCL's collective wants the device)
         norm = torch.nn.utils.get_total_norm(grads).to(self.device)
         if self.shard_group.size() > 1:
             norm = norm ** 2
             dist.all_reduce(norm, group=self.shard_group)
             norm = norm ** (1.0 / 2)
-        if max_norm > 0 and grads:  # clip_grads_with_norm_'s scaling (it takes parameters, not gradients)
-            torch._foreach_mul_(grads, torch.clamp(max_norm / (norm + 1e-6), max=1.0).to(grads[0].device))
         return norm

@@ -287,8 +287,9 @@ while True:
             if wandb_log:
                 wandb.log({"iter": iter_num, "train/loss": losses["train"], "val/loss": losses["val"], "lr": lr})
         improved = losses is not None and losses["val"] < best_val_loss
+        if improved:
+            best_val_loss = losses["val"]
         if keep_checkpoints and iter_num > start_iter and (improved or always_save_checkpoint):
-            best_val_loss = losses["val"] if improved else best_val_loss
             checkpoint.save(out_dir, model, optimizer, keep=keep_checkpoints, meta=dict(
                 iter_num=iter_num, best_val_loss=best_val_loss, model_args=model_args, config=config,
                 dist_backend=dist_backend, world_size=world_size))

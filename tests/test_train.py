@@ -125,8 +125,8 @@ def test_parity_one_microbatch_per_rank(runs_a):
     norms = {k: losses(v, "grad_norm") for k, v in runs_a.items()}
     assert_bitwise(norms["custom_fsdp"], norms["fsdp"], "grad_norm custom_fsdp vs fsdp")
     # ddp (and the single process) take the norm of whole local tensors; the sharded backends
-    # get it from DTensor, which sums per-shard partial norms and then reduces across ranks:
-    # a different summation order, so the last bits may differ
+    # sum the squared norms of each rank's shards across ranks: a different summation order,
+    # so the last bits may differ
     assert_close(norms["ddp"], norms["fsdp"], 1e-6, "grad_norm ddp vs fsdp", relative=True)
     assert_close(norms["single"], norms["ddp"], 1e-6, "grad_norm single vs ddp", relative=True)
 
