@@ -10,7 +10,8 @@ Each backend runs train.py under torchrun; runs are interleaved (A B C A B C ...
 noisy machine hits every backend alike. Figures are medians over steps (the first two, which
 include warm-up, are dropped) and then over repeats; one extra profiled run per backend gives
 the exposed (not overlapped) communication time via fsdp_impl.overlap. Ratios are against the
-first backend. The table is also written as JSON (--json, default bench_out/bench.json).
+first backend; below the table, each repeat's step time is also divided by the first backend's
+run beside it, with the median and range of those ratios: the spread says how far to trust one. The table is also written as JSON (--json, default bench_out/bench.json).
 A backend may carry its own train.py settings after colons (`fsdp:reshard_after_forward=False`);
 they apply to that row only, on top of the command's.
 """
@@ -118,6 +119,19 @@ def print_table(table):
               "per step they move the gradient bytes once (params MB).")
 
 
+def paired_step_ratios(results):
+    """Each row's step time over the first row's in the same repeat: runs side by side in the
+    interleaved order share the machine's drift, so their ratio is steadier than one of medians."""
+    first, *others = results
+    return {b: [run["step_ms"] / base["step_ms"] for run, base in zip(results[b], results[first])] for b in others}
+
+
+def print_paired(paired, first):
+    for b, ratios in paired.items():
+        print(f"step time per repeat vs {first}'s run beside it: {b} " + " ".join(f"{r:.2f}x" for r in ratios)
+              + f" (median {statistics.median(ratios):.2f}x, range {min(ratios):.2f}x-{max(ratios):.2f}x)")
+
+
 def bench_backends(args, extra):
     results = {b: [] for b in args.backends}
     for rep in range(args.repeats):
@@ -136,7 +150,10 @@ def bench_backends(args, extra):
                      "hidden_fraction": s.get("hidden_fraction")}
     print(f"\n{args.nproc} processes, {args.repeats} repeats, {args.steps} steps; ratios vs {args.backends[0]}")
     print_table(table)
-    return {"nproc": args.nproc, "repeats": args.repeats, "steps": args.steps, "extra": extra, "backends": table}
+    paired = paired_step_ratios(results)
+    print_paired(paired, args.backends[0])
+    return {"nproc": args.nproc, "repeats": args.repeats, "steps": args.steps, "extra": extra, "backends": table,
+            "step_ratio_per_repeat": paired}
 
 
 def sweep(args, extra):

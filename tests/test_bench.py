@@ -89,6 +89,19 @@ def test_table_prints_ratios_and_reserved_memory_on_cuda(cuda, capsys):
     assert ddp_note.startswith("ddp's gradient all-reduces")
 
 
+def test_paired_ratios_divide_each_repeat_by_the_first_rows_run_beside_it(capsys):
+    results = {"ddp": [{"step_ms": 100.0}, {"step_ms": 200.0}, {"step_ms": 100.0}],
+               "custom_fsdp": [{"step_ms": 90.0}, {"step_ms": 220.0}, {"step_ms": 100.0}],
+               "fsdp": [{"step_ms": 120.0}, {"step_ms": 240.0}, {"step_ms": 130.0}]}
+    paired = bench.paired_step_ratios(results)
+    assert list(paired) == ["custom_fsdp", "fsdp"]  # (the first row is the base)
+    assert paired["custom_fsdp"] == pytest.approx([0.9, 1.1, 1.0]) and paired["fsdp"] == pytest.approx([1.2, 1.2, 1.3])
+    bench.print_paired(paired, "ddp")
+    ours, theirs = capsys.readouterr().out.splitlines()
+    assert ours.endswith("custom_fsdp 0.90x 1.10x 1.00x (median 1.00x, range 0.90x-1.10x)")
+    assert "(median 1.20x, range 1.20x-1.30x)" in theirs
+
+
 def shard_numel(shapes, world):
     """Per-rank elements of one unit: every parameter padded to ceil(dim0 / W) rows."""
     return sum(math.ceil(s[0] / world) * math.prod(s[1:]) for s in shapes)
@@ -142,6 +155,8 @@ def test_bench_table_has_every_backend_and_consistent_fields(nproc, exposed, cha
     assert ours["all_gather_mb"] == theirs["all_gather_mb"] and ours["reduce_scatter_mb"] == theirs["reduce_scatter_mb"]
     assert (ours["all_gather_mb"] > 0) == (nproc > 1)  # one rank: nothing to communicate
     assert "custom_fsdp" in res.stdout and "ratios vs custom_fsdp" in res.stdout
+    # one repeat: the paired ratio is the ratio of the two rows' step times
+    assert table["step_ratio_per_repeat"] == {"fsdp": [pytest.approx(theirs["step_ms"] / ours["step_ms"])]}
 
 
 def test_bench_rows_carry_their_own_settings(char_data, tmp_path):
