@@ -22,6 +22,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Replicate
 
 BACKENDS = ("ddp", "fsdp", "custom_fsdp")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -284,6 +285,26 @@ class FSDPBackend(Backend):
 
     def set_grad_sync(self, model, enabled):
         model.set_requires_gradient_sync(enabled)
+
+    def step(self, optimizer):
+        optimizer.step()
+        self._replicate_step_counters(optimizer)
+
+    @staticmethod
+    def _replicate_step_counters(optimizer):
+        """Make AdamW's per-parameter step counters DTensors too (replicated: every rank counts alike).
+
+        The fused AdamW gets them as plain 0-dim tensors beside the DTensor shards, and for every
+        plain tensor in a call DTensor's dispatcher builds a fresh replicated spec: one per
+        parameter and step, about 40% of the host time DTensor adds to the optimizer step
+        (IMPLEMENTATION.md). The values are the same, so are the bits. Counters are created plain
+        (by the first step, or by a checkpoint load): each is wrapped after the step that used it."""
+        for p, state in optimizer.state.items():
+            counter = state.get("step")
+            if isinstance(p, DTensor) and isinstance(counter, torch.Tensor) and not isinstance(counter, DTensor) \
+                    and counter.device == p.device:  # (a CPU counter beside CUDA shards: the unfused optimizers')
+                mesh = p.device_mesh
+                state["step"] = DTensor.from_local(counter, mesh, [Replicate()] * mesh.ndim, run_check=False)
 
     def local_grads(self, model):
         """The local shards of the gradients: through DTensor each foreach op of the norm and the

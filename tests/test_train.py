@@ -296,6 +296,50 @@ def test_compile_graphs_follow_the_units(wrap_policy, expected):
     assert res.stdout.strip().splitlines()[-1] == expected
 
 
+STEP_AND_COUNT_SPECS = """
+import sys
+import torch
+from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor._dtensor_spec import DTensorSpec
+from backends import init_distributed, make_backend
+from model import GPT, GPTConfig
+init_distributed(sys.argv[1], "gloo", "cpu", 60)
+cfg = dict(device="cpu", dtype="float32", cpu_offload=False, replicate_degree=1, wrap_policy="block",
+           min_wrap_params=1, reshard_after_forward=True, prefetch=True, compile=False)
+back = make_backend(sys.argv[1], cfg)
+with torch.device("meta"):
+    gpt = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=64, dropout=0.0, bias=False))
+model = back.wrap(gpt, lambda m: m.init_weights(0))
+opt = back.unwrap(model).configure_optimizers(0.1, 1e-3, (0.9, 0.95))
+x = torch.randint(0, 64, (2, 16))
+specs, init = [0], DTensorSpec.__init__
+def counting_init(self, *args, **kwargs):
+    specs[0] += 1
+    init(self, *args, **kwargs)
+for step in range(4):  # (the first step creates the state; the second fills DTensor's sharding cache)
+    back.backward(model(x, x)[1])
+    DTensorSpec.__init__ = counting_init if step >= 2 else init
+    back.step(opt)
+    DTensorSpec.__init__ = init
+    opt.zero_grad(set_to_none=True)
+counters = [s["step"] for s in opt.state.values()]
+print(len(counters), all(isinstance(c, DTensor) and c.placements == (Replicate(),) and c.to_local().item() == 4
+                         for c in counters), specs[0])
+"""
+
+
+@pytest.mark.parametrize("backend", ["fsdp", "custom_fsdp"])
+def test_sharded_optimizer_step_counters_are_replicated_dtensors(backend):
+    """The sharded backends wrap AdamW's step counters as replicated DTensors after the first step,
+    so once DTensor's sharding cache is warm the steps build no DTensor spec at all (the counters' values, and so the bits, are
+    unchanged: the parity tests above)."""
+    res = launch([sys.executable, "-c", STEP_AND_COUNT_SPECS, backend], timeout=120)
+    assert res.returncode == 0, res.describe()
+    n_params, wrapped, specs = res.stdout.strip().splitlines()[-1].split()
+    assert int(n_params) == 2 * 6 + 3 and wrapped == "True"  # 6 per block, wte, wpe, ln_f
+    assert int(specs) == 0  # plain counters would cost one spec per parameter and step
+
+
 # ---------------------------------------------------------------------------------------------
 # 7. bad input: one 'error:' line, non-zero exit, nothing touched
 
