@@ -11,9 +11,12 @@ noisy machine hits every backend alike. Figures are medians over steps (the firs
 include warm-up, are dropped) and then over repeats; one extra profiled run per backend gives
 the exposed (not overlapped) communication time via fsdp_impl.overlap. Ratios are against the
 first backend; below the table, each repeat's step time is also divided by the first backend's
-run beside it, with the median and range of those ratios: the spread says how far to trust one. The table is also written as JSON (--json, default bench_out/bench.json).
-A backend may carry its own train.py settings after colons (`fsdp:reshard_after_forward=False`);
-they apply to that row only, on top of the command's.
+run beside it, with the median and range of those ratios: the spread says how far to trust one.
+Per backend it also prints the training thread's CPU time per step in forward and backward,
+clipping and the optimizer step (train.py's host_ms): on a GPU, the host's own work. The table
+is also written as JSON (--json, default bench_out/bench.json). A backend may carry its own
+train.py settings after colons (`fsdp:reshard_after_forward=False`); they apply to that row
+only, on top of the command's.
 """
 import argparse
 import json
@@ -33,6 +36,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 DEFAULTS = ["--n_layer=4", "--n_head=4", "--n_embd=256", "--batch_size=8", "--block_size=128",
             "--eval_iters=0", "--log_interval=1000000", "--keep_checkpoints=0",
             "--dropout=0.0", "--compile=False"]
+
+
+HOST_PHASES = ("forward_backward", "clip", "optimizer")
 
 
 def split_row(row):
@@ -85,11 +91,19 @@ def summarize_run(rows):
         "reduce_scatter_mb": comm["reduce_scatter_bytes"] / 2**20,  # the reduce-scatter's input
         "all_reduce_mb": comm["all_reduce_bytes"] / 2**20,
         "loss": [r["loss"] for r in rows if "loss" in r][-1],
+        # the training thread's CPU time per phase (train.py's host_ms): on a GPU, the host's own work
+        "host_ms": {p: statistics.median(r["host_ms"].get(p, 0.0) for r in steps) for p in HOST_PHASES},
     }
 
 
 def median_of(runs):
-    return {k: (statistics.median(r[k] for r in runs) if runs[0][k] is not None else None) for k in runs[0]}
+    def median(values):
+        if values[0] is None:
+            return None
+        if isinstance(values[0], dict):
+            return {k: statistics.median(v[k] for v in values) for k in values[0]}
+        return statistics.median(values)
+    return {k: median([r[k] for r in runs]) for k in runs[0]}
 
 
 def fmt(value, base):
@@ -114,6 +128,9 @@ def print_table(table):
         hidden = "-" if row["hidden_fraction"] is None else f"{row['hidden_fraction']:.0%}"
         mfu = "-" if row["mfu"] is None else f"{row['mfu']:.1%}"
         print(" | ".join([b.ljust(width)] + [fmt(row[k], first[k]).rjust(20) for k, _ in cols] + [hidden.rjust(7), mfu.rjust(6)]))
+    for b, row in table.items():
+        print(f"{b}: training-thread CPU ms per step: " + ", ".join(
+            f"{p} {fmt(row['host_ms'][p], first['host_ms'][p])}" for p in HOST_PHASES))
     if "ddp" in table:
         print("ddp's gradient all-reduces run inside its C++ reducer, which the counter does not see: "
               "per step they move the gradient bytes once (params MB).")

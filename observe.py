@@ -1,6 +1,7 @@
 """
 What a run costs, for any backend: memory at the stages users look at, collectives counted
-per step, profiler traces and memory snapshots of a few steps. train.py owns one Observer.
+per step, the training thread's CPU time per phase of a step, profiler traces and memory
+snapshots of a few steps. train.py owns one Observer.
 
     --profile=True          Chrome/Perfetto traces, one per rank: out_dir/traces/<backend>/rank<R>.json
     --memory_snapshot=True  CUDA: torch.cuda.memory history, out_dir/memory/rank<R>.pickle (open it
@@ -12,6 +13,8 @@ per step, profiler traces and memory snapshots of a few steps. train.py owns one
 import os
 import resource
 import shutil
+import time
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
@@ -101,6 +104,19 @@ class Observer:
         self.profiler, self.memory_snapshot = None, memory_snapshot
         self.profile = profile
         self.steps = 0
+        self.host_ms = {}  # this step's CPU time of the training thread per phase
+
+    @contextmanager
+    def host_time(self, phase):
+        """Add the training thread's CPU time inside the block to this step's `phase`. On a GPU it
+        is the host's own work (Python, dispatch, launches), which the device may be waiting on;
+        on a CPU the compute as well. Waits that sleep (gloo's) do not count; CUDA synchronizations
+        spin and would, but train.py's one per step is outside the phases."""
+        start = time.thread_time()
+        try:
+            yield
+        finally:
+            self.host_ms[phase] = self.host_ms.get(phase, 0.0) + (time.thread_time() - start) * 1e3
 
     def memory(self, stage, model=None, optimizer=None):
         """Memory at a stage: allocator figures on CUDA, RSS everywhere; max over ranks."""
@@ -125,6 +141,7 @@ class Observer:
 
     def before_step(self):
         """Start tracing or memory history when the profiled window begins."""
+        self.host_ms = {}
         if self.steps == PROFILE_STEPS[0] and self.memory_snapshot and self.cuda:
             torch.cuda.memory._record_memory_history(max_entries=200_000)
         # the profiler starts one step early: that warm-up step opens the first ProfilerStep range

@@ -303,26 +303,29 @@ while True:
     obs.before_step()
     comm.take()  # drop what evaluation and checkpointing issued
     loss_sum = torch.zeros((), device=device)
-    for micro_step in range(local_steps):
-        back.set_grad_sync(model, micro_step == local_steps - 1)
-        k = rank * local_steps + micro_step  # global micro-batch index
-        X, Y = get_batch("train", iter_num, k)
-        torch.manual_seed(seed * 1_000_003 + iter_num * 1009 + k)  # dropout masks, fixed like the data
-        with back.autocast():
-            # [1]: keep the loss, drop the logits (at GPT-2 size 1.2 GB that would otherwise
-            # stay alive through the next micro-step's forward)
-            loss = model(X, Y)[1] / local_steps  # mean over this rank's micro-batches; ranks average grads
-        back.backward(loss)
-        loss_sum += loss.detach()
+    with obs.host_time("forward_backward"):
+        for micro_step in range(local_steps):
+            back.set_grad_sync(model, micro_step == local_steps - 1)
+            k = rank * local_steps + micro_step  # global micro-batch index
+            X, Y = get_batch("train", iter_num, k)
+            torch.manual_seed(seed * 1_000_003 + iter_num * 1009 + k)  # dropout masks, fixed like the data
+            with back.autocast():
+                # [1]: keep the loss, drop the logits (at GPT-2 size 1.2 GB that would otherwise
+                # stay alive through the next micro-step's forward)
+                loss = model(X, Y)[1] / local_steps  # mean over this rank's micro-batches; ranks average grads
+            back.backward(loss)
+            loss_sum += loss.detach()
     if world_size > 1:
         dist.all_reduce(loss_sum)  # exact mean over the global batch, not rank 0's share
-    grad_norm = back.clip_grad_norm(model, optimizer, grad_clip)
+    with obs.host_time("clip"):
+        grad_norm = back.clip_grad_norm(model, optimizer, grad_clip)
     # 'stop' exits on a bad step without saving anything, so it can queue the optimizer step
     # before looking: the host dispatches it while the device is still in backward. 'skip'
     # must look first.
     step_before_check = on_nonfinite == "stop"
     if step_before_check:
-        back.step(optimizer)
+        with obs.host_time("optimizer"):
+            back.step(optimizer)
     # one wait for the device, for both numbers
     loss_total, grad_norm = torch.stack([loss_sum, grad_norm.to(device, loss_sum.dtype)]).tolist()
     loss_mean = loss_total / world_size
@@ -335,7 +338,8 @@ while True:
             print(f"iter {iter_num}: non-finite loss {loss_mean} or grad norm {grad_norm}: step skipped")
             log_metrics(iter=iter_num, event="skipped_nonfinite")
     elif not step_before_check:
-        back.step(optimizer)
+        with obs.host_time("optimizer"):
+            back.step(optimizer)
     optimizer.zero_grad(set_to_none=True)
     if trim_heap_each_step:
         trim_malloc_heap()
@@ -351,7 +355,7 @@ while True:
     if master:
         mfu = gpt.estimate_mfu(local_steps * batch_size, dt, peak_flops)
         row = dict(iter=iter_num, loss=loss_mean, grad_norm=grad_norm, lr=lr, dt_ms=dt * 1000,
-                   tokens_per_sec=tokens_per_iter / dt, mfu=mfu, peak_mem_mb=obs.peak_mb())
+                   tokens_per_sec=tokens_per_iter / dt, mfu=mfu, peak_mem_mb=obs.peak_mb(), host_ms=obs.host_ms)
         log_metrics(**row)
         if wandb_log:
             wandb.log({"iter": iter_num, "train/loss_step": loss_mean, "grad_norm": grad_norm,

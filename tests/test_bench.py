@@ -60,7 +60,8 @@ def test_overlap_gpu_trace_counts_kernels_per_step():
 def test_summarize_run_fields_and_medians():
     rows = [{"iter": 0, "train_loss": 4.0, "val_loss": 4.1}]
     rows += [{"iter": i, "loss": 4.0 - i / 10, "grad_norm": 1.0, "lr": 1e-3, "dt_ms": dt,
-              "tokens_per_sec": 1000.0 / dt, "mfu": None, "peak_mem_mb": 100.0}
+              "tokens_per_sec": 1000.0 / dt, "mfu": None, "peak_mem_mb": 100.0,
+              "host_ms": {"forward_backward": dt / 2, "clip": 1.0, "optimizer": dt / 10}}
              for i, dt in enumerate([900.0, 500.0, 10.0, 30.0, 20.0])]
     rows += [{"event": "memory", "stage": "after first step", "rss_mb": 300.0, "params_mb": 2.0, "grads_mb": 0.0, "optim_mb": 4.0},
              {"event": "memory", "stage": "after last step", "rss_mb": 321.0, "params_mb": 2.0, "grads_mb": 0.0, "optim_mb": 4.0},
@@ -72,6 +73,9 @@ def test_summarize_run_fields_and_medians():
     assert s["mfu"] is None and s["peak_mem_mb"] == 321.0 and s["state_mb"] == 6.0
     assert s["all_gather_mb"] == 2.0 and s["reduce_scatter_mb"] == 1.0
     assert s["loss"] == pytest.approx(3.6)
+    assert s["host_ms"] == {"forward_backward": 10.0, "clip": 1.0, "optimizer": 2.0}  # medians per phase
+    runs = [s, s | {"step_ms": 40.0, "host_ms": {"forward_backward": 30.0, "clip": 3.0, "optimizer": 4.0}}, s]
+    assert bench.median_of(runs)["step_ms"] == 20.0 and bench.median_of(runs)["host_ms"]["optimizer"] == 2.0
 
 
 @pytest.mark.parametrize("cuda", [True, False])
@@ -79,13 +83,16 @@ def test_table_prints_ratios_and_reserved_memory_on_cuda(cuda, capsys):
     def row(step_ms, peak, reserved, all_reduce_mb):
         return {"step_ms": step_ms, "tokens_per_sec": 1e5 / step_ms, "peak_mem_mb": peak, "state_mb": 10.0,
                 "reserved_mb": reserved if cuda else None, "all_gather_mb": 0.0, "reduce_scatter_mb": 0.0,
-                "all_reduce_mb": all_reduce_mb, "exposed_comm_ms": None, "hidden_fraction": None, "mfu": None}
+                "all_reduce_mb": all_reduce_mb, "exposed_comm_ms": None, "hidden_fraction": None, "mfu": None,
+                "host_ms": {"forward_backward": step_ms / 3, "clip": 0.5, "optimizer": peak / 3000}}
     bench.print_table({"ddp": row(30.0, 9000.0, 9500.0, 1e-6), "custom_fsdp:wrap_policy=model": row(28.5, 8100.0, 8550.0, 2e-6)})
-    header, base, ours, ddp_note = capsys.readouterr().out.splitlines()
+    header, base, ours, base_host, our_host, ddp_note = capsys.readouterr().out.splitlines()
     assert ("reserved MB" in header) == cuda
     assert ours.startswith("custom_fsdp:wrap_policy=model |") and "28.5 (0.95x)" in ours and "8,100.0 (0.90x)" in ours
     assert ("8,550.0 (0.90x)" in ours) == cuda
     assert "(2.00x)" not in ours  # no ratio between two figures that print as 0.0
+    assert base_host == "ddp: training-thread CPU ms per step: forward_backward 10.0 (1.00x), clip 0.5 (1.00x), optimizer 3.0 (1.00x)"
+    assert our_host.endswith("forward_backward 9.5 (0.95x), clip 0.5 (1.00x), optimizer 2.7 (0.90x)")
     assert ddp_note.startswith("ddp's gradient all-reduces")
 
 
@@ -151,6 +158,7 @@ def test_bench_table_has_every_backend_and_consistent_fields(nproc, exposed, cha
         assert row["step_ms"] > 0 and row["tokens_per_sec"] > 0 and row["peak_mem_mb"] > 0
         assert row["mfu"] is None  # no peak FLOP/s on CPU
         assert (row["exposed_comm_ms"] is not None) == exposed and (row["hidden_fraction"] is not None) == exposed
+        assert row["host_ms"]["forward_backward"] > 0 and row["host_ms"]["optimizer"] > 0
     assert ours["state_mb"] == theirs["state_mb"]  # the same shards and AdamW state
     assert ours["all_gather_mb"] == theirs["all_gather_mb"] and ours["reduce_scatter_mb"] == theirs["reduce_scatter_mb"]
     assert (ours["all_gather_mb"] > 0) == (nproc > 1)  # one rank: nothing to communicate

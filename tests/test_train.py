@@ -478,6 +478,9 @@ def test_metrics_rows_complete(runs_a, runs_b):
                 for k in TRAIN_KEYS - {"mfu"}:  # mfu is None on a CPU (peak FLOPs unknown)
                     assert isinstance(row[k], (int, float)) and math.isfinite(row[k]), (name, k, row)
                 assert row["dt_ms"] > 0 and row["tokens_per_sec"] > 0 and row["peak_mem_mb"] > 0
+                # the training thread's CPU time per phase; forward and backward always take some
+                assert set(row["host_ms"]) == {"forward_backward", "clip", "optimizer"}, row
+                assert row["host_ms"]["forward_backward"] > 0 and all(v >= 0 for v in row["host_ms"].values())
             assert [r["iter"] for r in train] == list(range(len(train)))
             for row in evals:
                 assert {"iter", "train_loss", "val_loss"} <= set(row)
