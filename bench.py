@@ -36,9 +36,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 DEFAULTS = ["--n_layer=4", "--n_head=4", "--n_embd=256", "--batch_size=8", "--block_size=128",
             "--eval_iters=0", "--log_interval=1000000", "--keep_checkpoints=0",
             "--dropout=0.0", "--compile=False"]
-
-
-HOST_PHASES = ("forward_backward", "clip", "optimizer")
+HOST_PHASES = ("forward_backward", "clip", "optimizer")  # the phases train.py times (host_ms)
 
 
 def split_row(row):
