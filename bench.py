@@ -84,7 +84,7 @@ def summarize_run(rows):
         # can grow after the first step as the heap fragments), before the final checkpoint save
         "peak_mem_mb": end.get("max_allocated_mb", end["rss_mb"]),
         "reserved_mb": end.get("reserved_mb"),
-        "state_mb": end["params_mb"] + end["optim_mb"],  # parameters + optimizer state per rank
+        "state_mb": end["params_mb"] + end["grads_mb"] + end["optim_mb"],  # the model's state per rank
         "all_gather_mb": comm["all_gather_bytes"] / 2**20,
         "reduce_scatter_mb": comm["reduce_scatter_bytes"] / 2**20,  # the reduce-scatter's input
         "all_reduce_mb": comm["all_reduce_bytes"] / 2**20,
@@ -116,7 +116,7 @@ def print_table(table):
     """One row per backend, each figure with its ratio to the first row's."""
     first = next(iter(table.values()))
     cols = [("step_ms", "step ms"), ("tokens_per_sec", "tokens/s"), ("peak_mem_mb", "peak mem MB"),
-            ("state_mb", "params+optim MB"), ("all_gather_mb", "AG MB/step"), ("reduce_scatter_mb", "RS MB/step"),
+            ("state_mb", "params+grads+optim MB"), ("all_gather_mb", "AG MB/step"), ("reduce_scatter_mb", "RS MB/step"),
             ("all_reduce_mb", "AR MB/step"), ("exposed_comm_ms", "exposed comm ms")]
     if first["reserved_mb"] is not None:  # CUDA: the caching allocator's reserve beside the peak
         cols.insert(3, ("reserved_mb", "reserved MB"))
@@ -131,7 +131,7 @@ def print_table(table):
             f"{p} {fmt(row['host_ms'][p], first['host_ms'][p])}" for p in HOST_PHASES))
     if "ddp" in table:
         print("ddp's gradient all-reduces run inside its C++ reducer, which the counter does not see: "
-              "per step they move the gradient bytes once (params MB).")
+              "per step they move the gradient bytes once (with AdamW, a quarter of its params+grads+optim MB).")
 
 
 def paired_step_ratios(results):
@@ -173,14 +173,14 @@ def bench_backends(args, extra):
 
 def sweep(args, extra):
     out = {}
-    print("world size sweep: per-rank memory (params + optimizer state, MB) and step time (ms)")
+    print("world size sweep: per-rank memory (parameters, gradients and optimizer state, MB) and step time (ms)")
     for b in args.backends:
         for w in (1, 2, 4):
             run = summarize_run(run_train(b, w, run_dir(args, b, f"w{w}"), args.steps,
                                           ["--gradient_accumulation_steps=4"] + extra))
             out[f"{b}-w{w}"] = run
             base = out[f"{b}-w1"]
-            print(f"  {b:12} W={w}: params+optim {fmt(run['state_mb'], base['state_mb'])} MB, "
+            print(f"  {b:12} W={w}: params+grads+optim {fmt(run['state_mb'], base['state_mb'])} MB, "
                   f"peak {run['peak_mem_mb']:.0f} MB, step {fmt(run['step_ms'], base['step_ms'])} ms", flush=True)
     return {"sweep": out}
 

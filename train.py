@@ -340,15 +340,16 @@ while True:
     elif not step_before_check:
         with obs.host_time("optimizer"):
             back.step(optimizer)
-    optimizer.zero_grad(set_to_none=True)
-    if trim_heap_each_step:
-        trim_malloc_heap()
-    comm.add_step()
-    obs.after_step()
+    comm.add_step()  # (the memory reports' own all-reduce is not training traffic)
+    # before zero_grad, so that the gradients are counted beside the parameters and optimizer state
     if len(memory_rows) == 1:
         memory_rows.append(obs.memory("after first step", model, optimizer))
     if iter_num == max_iters - 1:  # the training peak, before the final evaluation and save
         memory_rows.append(obs.memory("after last step", model, optimizer))
+    optimizer.zero_grad(set_to_none=True)
+    if trim_heap_each_step:
+        trim_malloc_heap()
+    obs.after_step()
 
     t1 = time.time()
     dt, t0 = t1 - t0, t1

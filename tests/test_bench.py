@@ -63,14 +63,14 @@ def test_summarize_run_fields_and_medians():
               "tokens_per_sec": 1000.0 / dt, "mfu": None, "peak_mem_mb": 100.0,
               "host_ms": {"forward_backward": dt / 2, "clip": 1.0, "optimizer": dt / 10}}
              for i, dt in enumerate([900.0, 500.0, 10.0, 30.0, 20.0])]
-    rows += [{"event": "memory", "stage": "after first step", "rss_mb": 300.0, "params_mb": 2.0, "grads_mb": 0.0, "optim_mb": 4.0},
-             {"event": "memory", "stage": "after last step", "rss_mb": 321.0, "params_mb": 2.0, "grads_mb": 0.0, "optim_mb": 4.0},
+    rows += [{"event": "memory", "stage": "after first step", "rss_mb": 300.0, "params_mb": 2.0, "grads_mb": 2.0, "optim_mb": 4.0},
+             {"event": "memory", "stage": "after last step", "rss_mb": 321.0, "params_mb": 2.0, "grads_mb": 1.5, "optim_mb": 4.0},
              {"event": "comm_per_step", "all_gather_bytes": 2**21, "reduce_scatter_bytes": 2**20,
               "all_reduce_bytes": 4.0, "all_gather_count": 9, "reduce_scatter_count": 5, "all_reduce_count": 1}]
     s = bench.summarize_run(rows)
     assert s["step_ms"] == 20.0  # median of the steps after the first two (warm-up)
     assert s["tokens_per_sec"] == pytest.approx(1000.0 / 20.0)
-    assert s["mfu"] is None and s["peak_mem_mb"] == 321.0 and s["state_mb"] == 6.0
+    assert s["mfu"] is None and s["peak_mem_mb"] == 321.0 and s["state_mb"] == 7.5  # params, grads, AdamW
     assert s["all_gather_mb"] == 2.0 and s["reduce_scatter_mb"] == 1.0
     assert s["loss"] == pytest.approx(3.6)
     assert s["host_ms"] == {"forward_backward": 10.0, "clip": 1.0, "optimizer": 2.0}  # medians per phase
@@ -167,6 +167,21 @@ def test_bench_table_has_every_backend_and_consistent_fields(nproc, exposed, cha
     assert table["step_ratio_per_repeat"] == {"fsdp": [pytest.approx(theirs["step_ms"] / ours["step_ms"])]}
 
 
+def test_sweep_state_falls_as_one_over_world_size(char_data, tmp_path):
+    """bench.py --sweep: each rank's parameters, gradients and AdamW state at W=1, 2, 4 are 1/W of
+    the whole, up to the padding of each parameter's rows (the largest rank's share is reported)."""
+    out = tmp_path / "sweep.json"
+    res = launch([sys.executable, REPO / "bench.py", "--sweep", "--backends=custom_fsdp", "--steps=3",
+                  f"--work_dir={tmp_path}", f"--json={out}", f"--data_dir={char_data}", "--device=cpu",
+                  "--n_layer=2", "--n_head=2", "--n_embd=32", "--block_size=32", "--batch_size=2"], timeout=300)
+    assert res.returncode == 0, res.describe()
+    sweep = json.loads(out.read_text())["sweep"]
+    state = {w: sweep[f"custom_fsdp-w{w}"]["state_mb"] for w in (1, 2, 4)}
+    for w in (2, 4):
+        assert state[1] / w <= state[w] <= 1.03 * state[1] / w, state
+    assert "custom_fsdp  W=4: params+grads+optim" in res.stdout
+
+
 def test_bench_rows_carry_their_own_settings(char_data, tmp_path):
     """A --backends entry with settings after colons runs with them: ZeRO-2 (no reshard after
     forward) skips the backward all-gathers, so its row moves fewer all-gather bytes than the
@@ -224,6 +239,9 @@ def test_train_writes_traces_memory_reports_and_a_memory_trace(char_data, tmp_pa
         memory = [r for r in map(json.loads, f) if r.get("event") == "memory"]
     assert [r["stage"] for r in memory] == ["after model creation", "after first step", "after last step", "end"]
     assert all(r["rss_mb"] > 0 and r["params_mb"] > 0 for r in memory)
+    # the steps' reports come before zero_grad: the local gradient shards are there (unpadded)
+    assert [r["grads_mb"] > 0 for r in memory] == [False, True, True, False]
+    assert memory[2]["grads_mb"] <= memory[2]["params_mb"]
     # AdamW: two moments per parameter (plus a 4-byte step counter each)
     assert memory[-1]["optim_mb"] == pytest.approx(2 * memory[-1]["params_mb"], abs=1e-3)
 
