@@ -296,7 +296,7 @@ class FSDPBackend(Backend):
 
         The fused AdamW gets them as plain 0-dim tensors beside the DTensor shards, and for every
         plain tensor in a call DTensor's dispatcher builds a fresh replicated spec: one per
-        parameter and step, about 40% of the host time DTensor adds to the optimizer step
+        parameter and step, a third to a half of the host time DTensor adds to the optimizer step
         (IMPLEMENTATION.md). The values are the same, so are the bits. Counters are created plain
         (by the first step, or by a checkpoint load): each is wrapped after the step that used it."""
         for p, state in optimizer.state.items():

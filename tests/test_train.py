@@ -331,8 +331,8 @@ print(len(counters), all(isinstance(c, DTensor) and c.placements == (Replicate()
 @pytest.mark.parametrize("backend", ["fsdp", "custom_fsdp"])
 def test_sharded_optimizer_step_counters_are_replicated_dtensors(backend):
     """The sharded backends wrap AdamW's step counters as replicated DTensors after the first step,
-    so once DTensor's sharding cache is warm the steps build no DTensor spec at all (the counters' values, and so the bits, are
-    unchanged: the parity tests above)."""
+    so once DTensor's sharding cache is warm a step builds no DTensor spec at all. (The counters'
+    values, and so the bits, are unchanged: the parity and resume tests above.)"""
     res = launch([sys.executable, "-c", STEP_AND_COUNT_SPECS, backend], timeout=120)
     assert res.returncode == 0, res.describe()
     n_params, wrapped, specs = res.stdout.strip().splitlines()[-1].split()
