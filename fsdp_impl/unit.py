@@ -29,6 +29,7 @@ import math
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from . import comm
 from .comm import ledger, profiled
@@ -38,6 +39,14 @@ SHARDED, GATHERING, UNSHARDED = "sharded", "gathering", "unsharded"
 
 def _set_param(module, name, param):
     module._parameters[name] = param  # bypasses nn.Module.__setattr__ checks, on purpose
+
+
+def dtensor_around(local, mesh, placements, shape, stride):
+    """A DTensor whose local tensor is `local` itself, wherever it lives. (DTensor.from_local moves
+    a tensor to the mesh's device type: an offloaded shard in CPU memory would become a GPU copy,
+    which the optimizer would update instead of the flat shard. FSDP2 builds them this way too.)"""
+    spec = DTensorSpec(mesh, tuple(placements), tensor_meta=TensorMeta(shape, stride, local.dtype))
+    return DTensor(local, spec, requires_grad=False)
 
 
 class ParamShard:
@@ -162,8 +171,7 @@ class ShardedUnit:
         return flat[ps.offset:ps.offset + ps.local_numel].view(ps.local_shape)
 
     def _as_dtensor(self, local, ps):
-        return DTensor.from_local(local, self.mesh, self.placements, run_check=False,
-                                  shape=ps.shape, stride=ps.stride)
+        return dtensor_around(local, self.mesh, self.placements, ps.shape, ps.stride)
 
     def lazy_init(self, schedule, is_root):
         """Called once by the root before the first forward, on the final device."""

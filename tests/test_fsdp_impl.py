@@ -14,6 +14,7 @@ the buffer changes some bits at 4 ranks), so bitwise parity also needs FSDP2's p
 inside each unit's flat buffer; test_flat_layout_matches_fsdp2 checks that order directly.
 """
 import json
+import sys
 import time
 
 import pytest
@@ -470,3 +471,33 @@ def test_schedule_zero2_keeps_params_until_backward(results, world):
             assert ev.count(("all_gather", u)) == 1
             assert ev.index(("free", u)) > ev.index(("backward_end", u))
 
+
+
+DTENSOR_ON_ANOTHER_DEVICE = """
+import torch, torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+from fsdp_impl.unit import dtensor_around
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+mesh = DeviceMesh("cuda", torch.arange(1), _init_backend=False)  # (an object only: no GPU is used)
+flat = torch.zeros(12)
+local = flat[2:10].view(4, 2)
+d = dtensor_around(local, mesh, [Shard(0)], torch.Size((4, 2)), (2, 1))
+d.to_local().fill_(1.0)
+try:
+    DTensor.from_local(local, mesh, [Shard(0)], run_check=False)
+    moved = "no"
+except (AssertionError, RuntimeError):  # it tried to move the tensor to CUDA
+    moved = "yes"
+print(d.device, d.shape, flat.sum().item(), moved)
+"""
+
+
+def test_sharded_params_stay_where_their_flat_shard_is():
+    """An offloaded unit's flat shard is in CPU memory under a CUDA mesh: its sharded parameters
+    must be DTensors around views of it, not copies on the GPU (which the optimizer would update
+    while the all-gathers read the unchanged flat shard). Checked on a CUDA-typed mesh object:
+    DTensor.from_local tries to move the tensor there; dtensor_around keeps the view."""
+    res = launch([sys.executable, "-c", DTENSOR_ON_ANOTHER_DEVICE], timeout=120)
+    assert res.returncode == 0, res.describe()
+    assert res.stdout.strip().splitlines()[-1] == "cpu torch.Size([4, 2]) 8.0 yes"
