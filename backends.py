@@ -301,8 +301,10 @@ class FSDPBackend(Backend):
         (by the first step, or by a checkpoint load): each is wrapped after the step that used it."""
         for p, state in optimizer.state.items():
             counter = state.get("step")
+            # (from_local would move a counter to the mesh's device: the unfused optimizers keep
+            # theirs on the CPU, and so does the fused one on the CPU shards of offload; left plain)
             if isinstance(p, DTensor) and isinstance(counter, torch.Tensor) and not isinstance(counter, DTensor) \
-                    and counter.device == p.device:  # (a CPU counter beside CUDA shards: the unfused optimizers')
+                    and counter.device.type == p.device_mesh.device_type:
                 mesh = p.device_mesh
                 state["step"] = DTensor.from_local(counter, mesh, [Replicate()] * mesh.ndim, run_check=False)
 
