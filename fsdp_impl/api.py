@@ -9,6 +9,7 @@ fully_shard() turns the module's parameters into sharded DTensors, swaps the mod
 for one that also derives from FSDPModule (unshard, reshard, set_requires_gradient_sync, ...),
 and registers thin forward hooks that call into the module's ShardedUnit.
 """
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -67,6 +68,7 @@ def fully_shard(module, *, mesh=None, reshard_after_forward=None, mp_policy=Mixe
         # state_dict() and load_state_dict() see the sharded DTensors
         m.register_state_dict_pre_hook(lambda *_: unit.reshard())
         m._register_load_state_dict_pre_hook(lambda *_: unit.reshard())
+        m.register_load_state_dict_post_hook(lambda *_: unit.adopt_assigned_params())
         cls = m.__class__
         m.__class__ = _fsdp_classes.setdefault(cls, type(f"FSDP{cls.__name__}", (FSDPModule, cls), {}))
     return module
@@ -80,8 +82,12 @@ def _lazy_init(root_module):
     units = {}  # unit -> its first module's path, in module order
     for path, m in root_module.named_modules():
         if hasattr(m, "_fsdp_unit"):
+            if m._fsdp_unit.schedule is not None:
+                raise RuntimeError(f"fully_shard: {path} ran forward before the root module did: "
+                                   "run the first forward through the root")
             units.setdefault(m._fsdp_unit, path or "root")
-    schedule = Schedule(list(units), root_module._fsdp_unit.compute_device)
+    root = root_module._fsdp_unit
+    schedule = Schedule(list(units), root, root.compute_device)
     for unit, path in units.items():
         unit.name = path
         unit.lazy_init(schedule, is_root=root_module in unit.modules)
@@ -104,16 +110,30 @@ def _pre_forward(module, args, kwargs):
 def _post_forward(module, args, output):
     unit = module._fsdp_unit
     if module is not unit.modules[-1]:
-        return output  # a grouped unit ends with its last module
+        return output  # a grouped unit ends with its last module...
+    ending = [unit]
+    if unit is unit.schedule.root:  # ...or, if that one did not run (a skipped layer), with the root
+        ending += [u for u in unit.schedule.units if u is not unit and u.training_state == "forward"]
     grad_enabled = torch.is_grad_enabled()
-    unit.post_forward(grad_enabled)
+    for u in ending:
+        u.post_forward(grad_enabled)
     if unit.mp.output_dtype is not None:
         output = _cast(output, unit.mp.output_dtype)
     if grad_enabled:
-        for t in tree_leaves(output):
-            if isinstance(t, torch.Tensor) and t.requires_grad:
-                t.register_hook(_pre_backward_hook(unit))
+        for t in _tensors_in(output):
+            if t.requires_grad:
+                for u in ending:
+                    t.register_hook(_pre_backward_hook(u))
     return output
+
+
+def _tensors_in(tree):
+    """The tensors of a module's output: pytree containers, and dataclasses, which pytree does not open."""
+    for leaf in tree_leaves(tree):
+        if isinstance(leaf, torch.Tensor):
+            yield leaf
+        elif dataclasses.is_dataclass(leaf) and not isinstance(leaf, type):
+            yield from _tensors_in([getattr(leaf, f.name) for f in dataclasses.fields(leaf)])
 
 
 def _pre_backward_hook(unit):
@@ -148,6 +168,12 @@ class FSDPModule:
 
     def reshard(self):
         self._fsdp_unit.reshard()
+
+    def reset_iter_state(self):
+        """After catching an exception raised in forward or backward: reshard every unit and drop
+        the failed step's pending gradients, so the next step runs normally (as FSDP2's)."""
+        if self._fsdp_unit.schedule is not None:
+            self._fsdp_unit.schedule.reset()
 
     def set_requires_gradient_sync(self, requires_gradient_sync, *, recurse=True):
         for unit in self._units(recurse):

@@ -58,6 +58,15 @@ def end_range(profiler_range):
         profiler_range.__exit__(None, None, None)
 
 
+_OLDER_NAMES = {"all_gather_single": "all_gather_into_tensor", "reduce_scatter_single": "reduce_scatter_tensor"}
+
+
+def library_collective(name):
+    """torch.distributed's collective by its torch 2.13 name, or by its older one on earlier releases
+    (the GPU machines' 2.11), which 2.13 keeps as a deprecated alias. Looked up at each call, so that
+    observe.py's counting wrappers see it."""
+    return getattr(dist, name, None) or getattr(dist, _OLDER_NAMES[name])
+
 # tags keep the messages of an all-gather and a reduce-scatter in flight at once apart
 GATHER_TAG, REDUCE_TAG = 1, 2
 
@@ -88,7 +97,7 @@ def all_gather(output, shard, group):
         return _Exchange()
     if dist.get_backend(group) == "gloo" and output.is_cpu:
         return _ExchangeGather(output, shard, group)
-    return dist.all_gather_single(output, shard, group=group, async_op=True)
+    return library_collective("all_gather_single")(output, shard, group=group, async_op=True)
 
 
 class _ExchangeGather(_Exchange):
@@ -125,7 +134,8 @@ def reduce_scatter(output, input, group):
         return _Exchange()
     if group.size() == 2 and dist.get_backend(group) == "gloo" and input.is_cpu:
         return _PairReduction(output, input, group)
-    return dist.reduce_scatter_single(output, input, op=dist.ReduceOp.AVG, group=group, async_op=True)
+    return library_collective("reduce_scatter_single")(output, input, op=dist.ReduceOp.AVG, group=group,
+                                                       async_op=True)
 
 
 class _PairReduction(_Exchange):

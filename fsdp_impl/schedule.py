@@ -12,9 +12,16 @@ Schedule: the root's view of a training step, shared by all units under one root
   not fire (parameters unused in this step) and waits for every pending reduction, so the
   sharded .grads are complete when backward() returns.
 - The buffer pool: unit-sized buffers reused across units within a step (CPU only).
+- Gathered parameters never outlive an optimizer step, which changes the shards they copy: a
+  prefetch nobody used, or a unit left unsharded, is dropped before any step (a global hook).
 """
+import weakref
+
 import torch
 from torch.autograd import Variable
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+from .unit import GATHERING
 
 
 class BufferPool:
@@ -72,15 +79,29 @@ class BufferPool:
         self.free.clear()
 
 
+_schedules = weakref.WeakSet()  # every live schedule, for the optimizer-step hook
+_step_hook = None
+
+
+def _reshard_before_optimizer_step(optimizer, args, kwargs):
+    for schedule in _schedules:
+        for unit in schedule.units:
+            unit.reshard()  # nothing to do for a unit already sharded (the usual case)
+
+
 class Schedule:
-    def __init__(self, units, device):
-        self.units = units
+    def __init__(self, units, root, device):
+        global _step_hook
+        self.units, self.root = units, root
         self.buffers = BufferPool(device)
         self.pre_forward_order, self.post_forward_order = [], []
         self.recording = True
         self.next_forward, self.next_backward = {}, {}
         self.pending_reductions = []
         self.end_of_backward_queued = False
+        _schedules.add(self)
+        if _step_hook is None:
+            _step_hook = register_optimizer_step_pre_hook(_reshard_before_optimizer_step)
 
     def record_pre_forward(self, unit):
         if self.recording and unit not in self.pre_forward_order:
@@ -121,5 +142,15 @@ class Schedule:
         self.finish_reductions()
         for unit in self.units:
             unit.training_state = "idle"
+            if unit.state == GATHERING:  # a prefetch nothing used (reentrant checkpointing's recompute)
+                unit.reshard()
+        self.buffers.clear()
+        self.end_of_backward_queued = False
+
+    def reset(self):
+        """FSDPModule.reset_iter_state(): every unit sharded and idle, nothing pending."""
+        for unit in self.units:
+            unit.reset()
+        self.pending_reductions.clear()
         self.buffers.clear()
         self.end_of_backward_queued = False

@@ -56,7 +56,6 @@ class ParamShard:
         self.registrations = registrations  # [(module, attribute name)], several when tied
         self.shape = param.shape
         self.stride = tuple(math.prod(self.shape[i + 1:]) for i in range(len(self.shape)))  # contiguous
-        self.requires_grad = param.requires_grad
         self.row_numel = math.prod(self.shape[1:])
         rows = math.ceil(self.shape[0] / world)  # torch.chunk's rows per rank (FSDP2's too)
         self.padded_numel = rows * self.row_numel
@@ -91,6 +90,7 @@ class ShardedUnit:
         self.reshard_after_forward = reshard_after_forward  # None: decided at lazy init
         self.mp = mp_policy
         self.offload = offload_policy is not None
+        self.pin_memory = self.offload and offload_policy.pin_memory
         self.compute_device = (torch.device("cuda", torch.cuda.current_device())
                                if mesh.device_type == "cuda" else torch.device("cpu"))
         # knobs of the FSDPModule API
@@ -154,17 +154,19 @@ class ShardedUnit:
         self.shard_numel = offset
         self.dtype = dtypes.pop() if dtypes else torch.float32
         on_meta = any(p.is_meta for p in found)
-        device = torch.device("meta") if on_meta else (torch.device("cpu") if self.offload else self.compute_device)
-        self.flat_shard = torch.zeros(self.shard_numel, dtype=self.dtype, device=device)
-        if self.offload and not on_meta:
-            self.flat_shard = self.flat_shard.pin_memory()
+        self.flat_shard = self._new_flat_shard(torch.device("meta") if on_meta else self.compute_device)
         for ps, p in zip(self.params, found):
             if not on_meta:
                 rows = p.detach().reshape(ps.shape[0], -1)[ps.first_row:ps.first_row + ps.local_shape[0]]
                 self._local_view(ps).view(-1, max(ps.row_numel, 1)).copy_(rows)
-            ps.sharded = nn.Parameter(self._as_dtensor(self._local_view(ps), ps), requires_grad=ps.requires_grad)
+            ps.sharded = nn.Parameter(self._as_dtensor(self._local_view(ps), ps), requires_grad=p.requires_grad)
             ps.register(ps.sharded)
-        self.n_grad_params = sum(ps.requires_grad for ps in self.params)
+
+    def _new_flat_shard(self, device):
+        if self.offload and device.type != "meta":
+            flat = torch.zeros(self.shard_numel, dtype=self.dtype, device="cpu")
+            return flat.pin_memory() if self.pin_memory else flat
+        return torch.zeros(self.shard_numel, dtype=self.dtype, device=device)
 
     def _local_view(self, ps, flat=None):
         flat = self.flat_shard if flat is None else flat
@@ -189,13 +191,14 @@ class ShardedUnit:
         for ps in self.params:
             start = ps.offset * self.world
             view = self.flat_full[start:start + math.prod(ps.shape)].view(ps.shape)
-            ps.unsharded = nn.Parameter(view, requires_grad=ps.requires_grad)
-            if ps.requires_grad:
-                ps.unsharded.register_post_accumulate_grad_hook(self._on_grad_ready)
+            # the hook stays through requires_grad_() changes, which _sync_requires_grad mirrors
+            ps.unsharded = nn.Parameter(view, requires_grad=True)
+            ps.unsharded.register_post_accumulate_grad_hook(self._on_grad_ready)
         # each parameter's padded full tensor as [W, rows per rank * row numel]: the copy-out targets
         self._full_slots = [self.flat_full[ps.offset * self.world:(ps.offset + ps.padded_numel) * self.world]
                             .view(self.world, -1) for ps in self.params]
         self.flat_full.untyped_storage().resize_(0)
+        self._sync_requires_grad()
 
     @torch.no_grad()  # (with grad on, the copy would record a graph back to the replaced tensors, keeping them)
     def _adopt_materialized_params(self):
@@ -204,16 +207,28 @@ class ShardedUnit:
                 ps.sharded.to_local().untyped_storage().data_ptr() == self.flat_shard.untyped_storage().data_ptr()
                 for ps in self.params):
             return
-        device = torch.device("cpu") if self.offload else self.params[0].sharded.device
-        flat = torch.zeros(self.shard_numel, dtype=self.dtype, device=device)
-        if self.offload:
-            flat = flat.pin_memory()
+        flat = self._new_flat_shard(self.params[0].sharded.device)
         for ps in self.params:
             local = self._local_view(ps, flat)
             local.copy_(ps.sharded.to_local())
-            fresh = nn.Parameter(self._as_dtensor(local, ps), requires_grad=ps.requires_grad)
+            fresh = nn.Parameter(self._as_dtensor(local, ps), requires_grad=ps.sharded.requires_grad)
             torch.utils.swap_tensors(ps.sharded, fresh)  # keeps the object the optimizer holds
         self.flat_shard = flat
+
+    def adopt_assigned_params(self):
+        """After load_state_dict(assign=True) the modules hold the loaded parameter objects, which
+        an optimizer built afterwards will update: make those ours, viewing a flat shard."""
+        for ps in self.params:
+            module, name = ps.registrations[0]
+            loaded = module._parameters[name]
+            if loaded is ps.sharded:
+                continue
+            if not isinstance(loaded, DTensor) or loaded.shape != ps.shape or loaded.placements != self.placements:
+                raise ValueError(f"load_state_dict(assign=True) into {self.name}: {name} must be a DTensor of "
+                                 f"shape {tuple(ps.shape)} placed {self.placements} (a sharded state dict)")
+            ps.sharded = loaded
+            ps.register(loaded)  # the other registrations of a tied parameter
+        self._adopt_materialized_params()
 
     # ---- all-gather ----------------------------------------------------------------------
     def unshard(self):
@@ -242,8 +257,10 @@ class ShardedUnit:
     def wait_unshard(self):
         if self.state == SHARDED:
             self.unshard()
-        if self.state != GATHERING:
-            return
+        if self.state == GATHERING:
+            self._finish_gather()
+
+    def _finish_gather(self):
         work, output, _ = self._gather
         self._gather = None
         with profiled(f"fsdp::all_gather_wait {self.name}"), torch.no_grad():
@@ -262,7 +279,7 @@ class ShardedUnit:
     def reshard(self):
         """Free the unsharded parameters; the module holds its sharded DTensors again."""
         if self.state == GATHERING:
-            self.wait_unshard()
+            self._finish_gather()
         if self.state != UNSHARDED:
             return
         for ps in self.params:
@@ -272,6 +289,22 @@ class ShardedUnit:
         ledger.log("free", self.name)
         self.state = SHARDED
 
+    def reset(self):
+        """Back to SHARDED and idle after an exception in forward or backward; collectives in
+        flight complete (the peers posted them too) and their gradients are dropped."""
+        if self._reduction is not None:
+            self._reduction[0].wait()
+            self._reduction = None
+        self.reshard()
+        self._end_phase_range()
+        self.training_state = "idle"
+        self.needs_post_backward = False
+        self._partial_reduction = None
+        for ps in self.params:
+            ps.accumulated_grad = None
+            if ps.unsharded is not None:
+                ps.unsharded.grad = None
+
     # ---- hooks' bodies (called from api.py) ----------------------------------------------
     def pre_forward(self):
         if self.training_state != "idle":
@@ -279,12 +312,22 @@ class ShardedUnit:
             # checkpointing recomputes inside backward. Either way the unit is already gathered.
             return
         self.training_state = "forward"
+        self._sync_requires_grad()
         self.schedule.record_pre_forward(self)
         self.wait_unshard()
         for unit in self.schedule.forward_prefetch(self):
             unit.unshard()
         ledger.log("forward", self.name)
         self._phase_range = comm.begin_range(f"fsdp::forward {self.name}")
+
+    def _sync_requires_grad(self):
+        """requires_grad_() is called on the sharded parameters (those the user and the optimizer
+        hold): mirror it on the unsharded ones, and count the gradients to wait for."""
+        self.n_grad_params = 0
+        for ps in self.params:
+            if ps.unsharded.requires_grad != ps.sharded.requires_grad:
+                ps.unsharded.requires_grad_(ps.sharded.requires_grad)
+            self.n_grad_params += ps.sharded.requires_grad
 
     def post_forward(self, grad_enabled):
         if self.training_state == "pre_backward":
@@ -296,13 +339,17 @@ class ShardedUnit:
             self.reshard()
         self.training_state = "idle"
         if grad_enabled:
-            self.needs_post_backward = True
-            self.grads_to_come = self.n_grad_params
+            self._expect_grads()
+
+    def _expect_grads(self):
+        self.needs_post_backward = True
+        self.grads_to_come = self.n_grad_params
 
     def pre_backward(self):
         if self.training_state == "pre_backward":
             return
         self.training_state = "pre_backward"
+        self._expect_grads()  # again, if an earlier backward through the same graph (retain_graph) took them
         self.schedule.queue_end_of_backward()
         self.wait_unshard()
         for unit in self.schedule.backward_prefetch(self):

@@ -501,3 +501,14 @@ def test_sharded_params_stay_where_their_flat_shard_is():
     res = launch([sys.executable, "-c", DTENSOR_ON_ANOTHER_DEVICE], timeout=120)
     assert res.returncode == 0, res.describe()
     assert res.stdout.strip().splitlines()[-1] == "cpu torch.Size([4, 2]) 8.0 yes"
+
+
+def test_collectives_fall_back_to_their_older_names(monkeypatch):
+    """torch before 2.13 (the GPU machines' 2.11) has all_gather_into_tensor / reduce_scatter_tensor only."""
+    import torch.distributed as dist
+    from fsdp_impl import comm
+    assert comm.library_collective("all_gather_single") is dist.all_gather_single
+    monkeypatch.delattr(dist, "all_gather_single")
+    monkeypatch.delattr(dist, "reduce_scatter_single")
+    assert comm.library_collective("all_gather_single") is dist.all_gather_into_tensor
+    assert comm.library_collective("reduce_scatter_single") is dist.reduce_scatter_tensor

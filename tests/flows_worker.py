@@ -1,0 +1,326 @@
+"""
+Run under torchrun at 2 ranks (gloo, CPU): fsdp_impl against PyTorch's FSDP2 in unusual training
+flows (several backward passes over one forward, reentrant checkpointing, requires_grad changes,
+load_state_dict(assign=True), layer drop in a grouped unit, ...).
+
+    OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node=2 tests/flows_worker.py OUT.json
+
+For each flow an fsdp_impl model and a reference are built from the same seed (every block
+sharded, then the root), fed identical rank-dependent data for a few AdamW steps, and compared on
+the final full parameters and the last step's full gradients. The reference is FSDP2, or, in the
+flows where FSDP2 itself goes wrong, the plain model with its grads averaged over the ranks. Rank 0 writes OUT.json; a flow that
+raises records the traceback, so one broken flow does not hide the others. tests/test_flows.py
+asserts on the report.
+"""
+import json
+import math
+import os
+import sys
+import traceback
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
+from torch.distributed.tensor import DTensor
+from torch.utils.checkpoint import checkpoint
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from fsdp_impl import fully_shard as our_fully_shard  # noqa: E402
+
+warnings.filterwarnings("ignore")  # FSDP2's and checkpoint's advisory warnings would bury a traceback
+
+def leave_unsharded(module, mesh):
+    """The plain reference: nothing sharded; train() averages its grads over the ranks."""
+
+
+SHARD = {"fsdp2": fsdp2_fully_shard, "ours": our_fully_shard, "plain": leave_unsharded}
+D, STEPS, LR = 8, 3, 1e-2
+
+
+# ---- model ------------------------------------------------------------------------------------
+@dataclass
+class Out:  # not a pytree node: an implementation has to look inside it for the tensors
+    h: torch.Tensor
+
+
+class Block(nn.Module):
+    def __init__(self, dataclass_output=False):
+        super().__init__()
+        self.a, self.b = nn.Linear(D, D), nn.Linear(D, D)
+        self.dataclass_output = dataclass_output
+
+    def forward(self, x):
+        h = x + self.b(torch.tanh(self.a(x)))
+        return Out(h) if self.dataclass_output else h
+
+
+class Net(nn.Module):
+    """inp -> 3 residual blocks -> out; the loss is the sum of the outputs. `skip` holds the
+    indices of blocks the forward leaves out (layer drop)."""
+
+    def __init__(self, dataclass_output=False, reentrant=False):
+        super().__init__()
+        self.inp = nn.Linear(D, D)
+        self.blocks = nn.ModuleList([Block(dataclass_output) for _ in range(3)])
+        self.out = nn.Linear(D, 1)
+        self.reentrant, self.skip = reentrant, ()
+
+    def forward(self, x):
+        x = self.inp(x)  # x requires grad from here on, as reentrant checkpointing needs
+        for i, block in enumerate(self.blocks):
+            if i in self.skip:
+                continue
+            y = checkpoint(block, x, use_reentrant=True) if self.reentrant else block(x)
+            x = y.h if isinstance(y, Out) else y
+        return self.out(x).sum()
+
+    def reset_iter_state(self):
+        """The plain model keeps no state within a step (FSDP's class overrides this)."""
+
+
+def build(impl, mesh, seed=0, meta=False, grouped=False, frozen=(), **net_kw):
+    """Every block its own unit (grouped: blocks.0 alone, blocks.1 and .2 as one unit), then the
+    root. reshard_after_forward is left at its default: True for the blocks in both."""
+    torch.manual_seed(seed)
+    with torch.device("meta" if meta else "cpu"):
+        model = Net(**net_kw)
+    for name in frozen:
+        model.get_parameter(name).requires_grad_(False)
+    units = [model.blocks[0], [model.blocks[1], model.blocks[2]]] if grouped else list(model.blocks)
+    for unit in units + [model]:
+        SHARD[impl](unit, mesh=mesh)
+    return model
+
+
+# ---- training ---------------------------------------------------------------------------------
+def data(step, k=0):
+    g = torch.Generator().manual_seed(1000 * dist.get_rank() + 10 * step + k)
+    return torch.randn(4, D, generator=g)
+
+
+def full(t):  # a buggy run may leave plain (unsharded) tensors where DTensors belong
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def full_params(model):
+    return {n: full(p.detach()).clone() for n, p in model.named_parameters()}
+
+
+def plain_step(model, s):
+    model(data(s)).backward()
+
+
+def optimizer_step(opt):
+    opt.step()
+    opt.zero_grad()
+
+
+def average_grads_over_ranks(model):
+    for p in model.parameters():
+        if p.grad is not None:
+            dist.all_reduce(p.grad, op=dist.ReduceOp.AVG)
+
+
+def train(model, fwd_bwd=plain_step):
+    """STEPS AdamW steps over all parameters (those without a grad are skipped), fwd_bwd(model, s)
+    making step s's grads. Returns (the last step's grads, final params, whether every parameter
+    trainable at the end moved: the comparison is not between two untouched inits)."""
+    initial = full_params(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, foreach=False)
+    for s in range(STEPS):
+        fwd_bwd(model, s)
+        if not isinstance(model.inp.weight, DTensor):  # the plain reference
+            average_grads_over_ranks(model)
+        grads = {n: None if p.grad is None else full(p.grad).clone() for n, p in model.named_parameters()}
+        optimizer_step(opt)
+    final = full_params(model)
+    moved = all(not torch.equal(initial[n], final[n]) for n, p in model.named_parameters() if p.requires_grad)
+    return grads, final, moved
+
+
+# ---- flows ------------------------------------------------------------------------------------
+def retain_graph(impl, mesh):
+    def fwd_bwd(model, s):
+        loss = model(data(s))
+        if s == 0:
+            loss.backward(retain_graph=True)  # two backward passes over one forward: grads add up
+        loss.backward()
+    return train(build(impl, mesh), fwd_bwd)
+
+
+def autograd_grad_then_backward(impl, mesh):
+    def fwd_bwd(model, s):  # as an input-gradient penalty or a saliency map does
+        x = data(s).requires_grad_()
+        loss = model(x)
+        torch.autograd.grad(loss, x, retain_graph=True)
+        loss.backward()
+    return train(build(impl, mesh), fwd_bwd)
+
+
+def partial_no_grad_forward_before_step(impl, mesh, explicit_prefetch=False):
+    def fwd_bwd(model, s):
+        model(data(s)).backward()
+        with torch.no_grad():  # a probe of blocks.0 only: its forward may prefetch blocks.1
+            model.blocks[0](data(s, k=1))
+    model = build(impl, mesh)
+    if explicit_prefetch and impl != "plain":  # as train.py's backends set them
+        for block, after in zip(model.blocks, model.blocks[1:]):
+            block.set_modules_to_forward_prefetch([after])
+    return train(model, fwd_bwd)
+
+
+def partial_no_grad_forward_before_step_explicit_prefetch(impl, mesh):
+    # FSDP2 hands the next forward the all-gather the probe issued, from before the optimizer step
+    return partial_no_grad_forward_before_step(impl, mesh, explicit_prefetch=True)
+
+
+def reentrant_checkpoint(impl, mesh):
+    return train(build(impl, mesh, reentrant=True))
+
+
+def requires_grad_toggle(impl, mesh):
+    def fwd_bwd(model, s):
+        if s == 1:  # freeze a trained parameter, unfreeze one frozen before fully_shard
+            model.blocks[0].a.weight.requires_grad_(False)
+            model.blocks[1].a.weight.requires_grad_(True)
+        plain_step(model, s)
+    return train(build(impl, mesh, frozen=["blocks.1.a.weight"]), fwd_bwd)
+
+
+def load_state_dict_assign(impl, mesh, meta=False):
+    donor = build(impl, mesh, seed=1)  # other values, sharded the same way
+    state = {k: v.detach().clone() for k, v in donor.state_dict().items()}  # DTensors
+    model = build(impl, mesh, meta=meta)
+    model.load_state_dict(state, assign=True)
+    return train(model)  # the optimizer is made after the load
+
+
+def load_state_dict_assign_meta(impl, mesh):
+    return load_state_dict_assign(impl, mesh, meta=True)
+
+
+def grouped_unit_last_module_skipped(impl, mesh):
+    def fwd_bwd(model, s):
+        model.skip = (2,) if s == 1 else ()  # the unit [blocks.1, blocks.2] ends without its last module
+        plain_step(model, s)
+    return train(build(impl, mesh, grouped=True), fwd_bwd)
+
+
+def dataclass_output(impl, mesh):
+    return train(build(impl, mesh, dataclass_output=True))
+
+
+def reset_after_exception_in_backward(impl, mesh):
+    def fail(grad):
+        raise RuntimeError("injected failure in backward")
+
+    def arm(module, args, output):
+        output.register_hook(fail)
+
+    def fwd_bwd(model, s):
+        if s > 0:
+            return plain_step(model, s)
+        handle = model.blocks[0].register_forward_hook(arm)
+        try:  # raises halfway through backward: after blocks.2 and blocks.1, before blocks.0 and the root
+            model(data(s)).backward()
+        except RuntimeError as e:
+            if "injected failure" not in str(e):
+                raise
+        handle.remove()
+        model.reset_iter_state()  # FSDP2's documented recovery after an exception
+        model.zero_grad(set_to_none=True)  # the failed step's partial grads are dropped: no update
+    # FSDP2 keeps the unsharded grads its root (the head) accumulated before the failure and adds
+    # them to the next step's (zero_grad() does not reach them): the reference is the plain model
+    return train(build(impl, mesh), fwd_bwd)
+
+
+FLOWS = [retain_graph, autograd_grad_then_backward, partial_no_grad_forward_before_step,
+         partial_no_grad_forward_before_step_explicit_prefetch, reentrant_checkpoint, requires_grad_toggle,
+         load_state_dict_assign, load_state_dict_assign_meta, grouped_unit_last_module_skipped,
+         dataclass_output, reset_after_exception_in_backward]
+REFERENCE = {flow: "fsdp2" for flow in FLOWS} | {
+    partial_no_grad_forward_before_step_explicit_prefetch: "plain", reset_after_exception_in_backward: "plain"}
+
+
+def non_root_forward_first(impl, mesh):
+    """A block runs (a no_grad probe) before the root's first forward, then a training step; per
+    probed block, what was raised (FSDP2: a RuntimeError from the root's forward, "... requires
+    running forward through the root module first")."""
+    rec = {}
+    for i in (0, 1):
+        model = build(impl, mesh)
+        try:
+            with torch.no_grad():
+                model.blocks[i](data(0))
+            model(data(0)).backward()
+            rec[f"blocks.{i}"] = {"raised": None}
+        except Exception as e:
+            rec[f"blocks.{i}"] = {"raised": type(e).__name__, "message": str(e), "traceback": traceback.format_exc()}
+    return rec
+
+
+# ---- comparison -------------------------------------------------------------------------------
+def diff(a, b):
+    """(max |a - b| over the dicts' tensors, bitwise equal); inf where one is None or shapes differ."""
+    if a.keys() != b.keys():
+        return math.inf, False
+    d, equal = 0.0, True
+    for k in a:
+        x, y = a[k], b[k]
+        if x is None and y is None:
+            continue
+        if x is None or y is None or x.shape != y.shape:
+            return math.inf, False
+        d = max(d, (x.double() - y.double()).abs().max().item())
+        equal = equal and torch.equal(x, y)
+    return d, equal
+
+
+def compare(flow, mesh):
+    rec, res = {"reference": REFERENCE[flow]}, {}
+    for impl in ("ours", rec["reference"]):
+        try:
+            res[impl] = flow(impl, mesh)
+        except Exception:
+            rec[f"{impl}_error"] = traceback.format_exc()
+    if len(res) == 2:
+        (g1, p1, m1), (g2, p2, m2) = res["ours"], res[rec["reference"]]
+        rec["param_diff"], rec["param_bitwise"] = diff(p1, p2)
+        rec["grad_diff"], rec["grad_bitwise"] = diff(g1, g2)
+        rec["params_moved"] = {"ours": m1, "reference": m2}
+    return rec
+
+
+def write(result, out_path):
+    if dist.get_rank() == 0:
+        with open(out_path + ".tmp", "w") as f:
+            json.dump(result, f, indent=1)
+        os.replace(out_path + ".tmp", out_path)
+    dist.barrier()  # on disk before any rank goes on (and maybe crashes)
+
+
+def main():
+    out_path = sys.argv[1]
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    result = {flow.__name__: compare(flow, mesh) for flow in FLOWS}
+    # The last flow can kill the process (fsdp_impl segfaulted there). The other flows' results are
+    # written first, then again with this flow's record: after a crash the report lacks it (and the
+    # exit code is nonzero), which the test reports as the crash, the other tests unaffected.
+    write(result, out_path)
+    result["non_root_forward_first"] = {impl: non_root_forward_first(impl, mesh) for impl in ("fsdp2", "ours")}
+    write(result, out_path)
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # FSDP2 on gloo sometimes aborts at interpreter exit otherwise
+
+
+if __name__ == "__main__":
+    main()
