@@ -4,11 +4,14 @@ nanoGPT-style configuration: the script's globals are the config.
     python train.py config/train_shakespeare_char.py --batch_size=32 --compile=False
 
 Arguments without '--' are config files, exec'd in order; '--key=value' then overrides one
-global. Values are parsed as Python literals when they can be (else kept as strings) and
-must keep the type of the default. Unknown keys, in a file or on the command line, are an error:
-a typo must never silently train the wrong model.
+global. Command-line values are parsed as Python literals when they can be (else kept as
+strings). Every value, from a file or the command line, must have the type of the script's
+default (an int is taken where a float is expected; a bool is not an int). Unknown keys are an
+error too: a typo must never silently train the wrong model.
 """
 import sys
+import traceback
+import types
 from ast import literal_eval
 
 
@@ -17,36 +20,55 @@ def fail(msg):
     raise SystemExit(2)
 
 
+def typed(value, default, what):
+    """`value` with the type of `default`, or fail naming `what` was given the wrong type."""
+    if isinstance(default, float) and type(value) is int:
+        value = float(value)
+    if type(value) is not type(default):
+        fail(f"{what} expects {type(default).__name__}, got {value!r}")
+    return value
+
+
+def run_file(path):
+    """The names a config file defines; a file that cannot be read or run fails in one line."""
+    try:
+        with open(path, "rb") as f:
+            src = f.read()
+    except OSError as e:
+        fail(f"cannot read config file {path}: {e.strerror}")
+    scope = {}
+    try:
+        exec(compile(src, path, "exec"), scope)
+    except SyntaxError as e:
+        fail(f"config file {path} is not valid Python: {e.msg} (line {e.lineno})")
+    except Exception as e:
+        # the innermost line of the file itself, not of whatever it called
+        lines = [fr.lineno for fr in traceback.extract_tb(e.__traceback__) if fr.filename == path]
+        where = f" at line {lines[-1]}" if lines else ""
+        reason = str(e).splitlines()[0] if str(e) else ""
+        fail(f"config file {path} raised {type(e).__name__}{where}: {reason}")
+    return scope
+
+
 def apply(config, argv):
     """Update the dict `config` (a script's globals) from config files and --key=value args."""
-    known = {k for k, v in config.items() if not k.startswith("_") and isinstance(v, (int, float, bool, str))}
+    defaults = {k: v for k, v in config.items() if not k.startswith("_") and isinstance(v, (int, float, bool, str))}
     for arg in argv:
         if not arg.startswith("--"):
-            try:
-                src = open(arg).read()
-            except OSError as e:
-                fail(f"cannot read config file {arg}: {e.strerror}")
-            scope = {}
-            exec(src, scope)
-            for key, value in scope.items():
-                if key.startswith("_") or not isinstance(value, (int, float, bool, str)):
-                    continue  # imports and helpers a config file may define
-                if key not in known:
+            for key, value in run_file(arg).items():
+                if key in defaults:
+                    config[key] = typed(value, defaults[key], f"{key} in {arg}")
+                elif not (key.startswith("_") or isinstance(value, types.ModuleType) or callable(value)):
                     fail(f"unknown config key '{key}' in {arg}")
-                config[key] = value
+                # else: an import or helper the file uses, not a setting
             continue
         key, sep, text = arg[2:].partition("=")
         if not sep:
             fail(f"expected --key=value, got '{arg}'")
-        if key not in known:
+        if key not in defaults:
             fail(f"unknown config key '{key}'")
         try:
             value = literal_eval(text)
         except (SyntaxError, ValueError):
             value = text  # a bare string such as --device=cpu
-        default = config[key]
-        if isinstance(default, float) and isinstance(value, int) and not isinstance(value, bool):
-            value = float(value)
-        if type(value) is not type(default):
-            fail(f"--{key} expects {type(default).__name__}, got {text!r}")
-        config[key] = value
+        config[key] = typed(value, defaults[key], f"--{key}")

@@ -1,6 +1,7 @@
 #!/bin/bash
 # Multi-node training under Slurm: one torchrun launcher per node, rendezvous on the first node.
 #   sbatch scripts/slurm.sh config/train_gpt2.py --dist_backend=custom_fsdp --replicate_degree=4
+# 4 nodes x 8 GPUs = 32 processes: gradient_accumulation_steps must be divisible by 32 (train_gpt2.py's is)
 #SBATCH --job-name=fsdp-gpt
 #SBATCH --nodes=4
 #SBATCH --ntasks-per-node=1          # one launcher per node; it starts one process per GPU
