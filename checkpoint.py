@@ -82,10 +82,18 @@ def save(out_dir, model, optimizer, meta, keep=2):
         os.rename(tmp, final)
         _write_atomic(os.path.join(out_dir, "latest"), os.path.basename(final))
         shutil.rmtree(final + ".old", ignore_errors=True)
-        complete = sorted(d for d in os.listdir(out_dir) if d.startswith("ckpt-") and "." not in d)
-        for old in complete[:-keep]:
-            shutil.rmtree(os.path.join(out_dir, old))
+        _prune(out_dir, keep=os.path.basename(final), count=keep)
     _barrier()
+
+
+def _prune(out_dir, keep, count):
+    """Keep checkpoint `keep` (just saved) and the newest count-1 others, newest by when they were
+    saved: after a resume from an older checkpoint, higher iteration numbers may be older."""
+    others = [d for d in os.listdir(out_dir) if d.startswith("ckpt-") and "." not in d and d != keep]
+    others.sort(key=lambda d: os.path.getmtime(os.path.join(out_dir, d, "manifest.json"))
+                if os.path.exists(os.path.join(out_dir, d, "manifest.json")) else 0.0)
+    for old in others[:max(0, len(others) - (count - 1))]:
+        shutil.rmtree(os.path.join(out_dir, old))
 
 
 def latest_path(out_dir):

@@ -77,6 +77,7 @@ activation_checkpointing = False  # recompute each block's activations in backwa
 # failures
 dist_timeout_s = 600  # a collective waiting longer than this aborts the job instead of hanging
 on_nonfinite = "stop"  # non-finite loss or grad norm: 'stop' (exit, naming the iteration) or 'skip' the step
+max_skipped_steps = 10  # on_nonfinite='skip': stop after more steps than this skipped in a row
 # system
 device = "cuda" if torch.cuda.is_available() else "cpu"  # 'cpu', 'cuda', 'cuda:0', ...
 dtype = "bfloat16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "float32"
@@ -90,21 +91,26 @@ memory_snapshot = False  # CUDA memory history of a few steps (CPU: their alloca
 configurator.apply(globals(), sys.argv[1:])
 config = {k: v for k, v in globals().items() if not k.startswith("_") and isinstance(v, (int, float, bool, str))}
 
-# distributed setup: torchrun sets RANK/WORLD_SIZE; a plain `python train.py` is one process
-rank, world_size, device = init_distributed(dist_backend, backend, device, dist_timeout_s)
-master = rank == 0
-config["device"] = device
+master = int(os.environ.get("RANK", 0)) == 0  # torchrun's rank, before the process group exists
+wandb_run = None
 
 
 def fail(msg):
     """Bad input: one line naming the problem (from rank 0), non-zero exit, nothing overwritten."""
     if master:
         print(f"error: {msg}", file=sys.stderr, flush=True)
+    if wandb_run is not None:
+        wandb_run.finish(exit_code=2)
     if dist.is_initialized():
         dist.destroy_process_group()
     os._exit(2)
 
 
+if device.startswith("cuda") and not torch.cuda.is_available():
+    fail(f"device={device} but this torch has no CUDA device (use --device=cpu)")
+# distributed setup: torchrun sets RANK/WORLD_SIZE; a plain `python train.py` is one process
+rank, world_size, device = init_distributed(dist_backend, backend, device, dist_timeout_s)
+config["device"] = device
 try:
     back = make_backend(dist_backend, config)
 except BackendError as e:
@@ -115,6 +121,12 @@ if keep_checkpoints < 0:
     fail(f"keep_checkpoints={keep_checkpoints} is negative (0 saves no checkpoints)")
 if eval_iters < 0:
     fail(f"eval_iters={eval_iters} is negative (0 skips evaluation)")
+for name in ("batch_size", "block_size", "gradient_accumulation_steps", "eval_interval", "log_interval",
+             "n_layer", "n_head"):
+    if globals()[name] < 1:
+        fail(f"{name}={globals()[name]} must be at least 1")
+if n_embd % n_head:
+    fail(f"n_embd={n_embd} is not divisible by n_head={n_head}")
 if gradient_accumulation_steps % world_size:
     fail(f"gradient_accumulation_steps={gradient_accumulation_steps} is not divisible by the world size {world_size}")
 local_steps = gradient_accumulation_steps // world_size  # micro-batches on this rank per step
@@ -162,6 +174,9 @@ if init_from == "scratch" and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0
     init_from = "resume"  # torchrun restarted us after a failure: continue from the last checkpoint
     if master:
         print(f"restart {os.environ['TORCHELASTIC_RESTART_COUNT']}: resuming from the last checkpoint")
+if init_from == "scratch" and keep_checkpoints and os.path.exists(os.path.join(out_dir, "latest")):
+    fail(f"{out_dir} holds another run's checkpoints: continue it with --init_from=resume, or choose "
+         "another out_dir (a new run there would replace them)")
 if init_from == "scratch":
     meta_path = os.path.join(data_dir, "meta.pkl")
     if os.path.exists(meta_path):
@@ -242,6 +257,16 @@ def estimate_loss():
     return out
 
 
+@torch.no_grad()
+def weights_finite(model):
+    """Whether every weight is finite, on every rank (each looks at the shards it holds)."""
+    local = [p.to_local() if hasattr(p, "to_local") else p for p in model.parameters()]
+    finite = torch.stack([torch.isfinite(t).all() for t in local]).all().to(device, torch.float32)
+    if world_size > 1:
+        dist.all_reduce(finite, op=dist.ReduceOp.MIN)
+    return bool(finite.item())
+
+
 def get_lr(it):
     if not decay_lr:
         return learning_rate
@@ -269,11 +294,12 @@ def log_metrics(**row):
 
 if wandb_log and master:
     import wandb
-    wandb.init(project=wandb_project, name=f"{wandb_run_name}-{dist_backend}-w{world_size}",
+    wandb_run = wandb.init(project=wandb_project, name=f"{wandb_run_name}-{dist_backend}-w{world_size}",
                group=wandb_run_name, config=config, resume="allow")
 
 # training loop: iterations iter_num .. max_iters-1; evaluate (and checkpoint) every eval_interval
 start_iter = iter_num  # a checkpoint of this iteration exists already (or it is 0)
+skipped_in_a_row = 0  # on_nonfinite='skip'
 t0 = time.time()
 while True:
     lr = get_lr(iter_num)
@@ -290,6 +316,11 @@ while True:
         if improved:
             best_val_loss = losses["val"]
         if keep_checkpoints and iter_num > start_iter and (improved or always_save_checkpoint):
+            # a step with a finite loss can still leave weights that are, or that compute, nan or
+            # inf (a huge learning rate): such a checkpoint would replace the good ones
+            if not (losses is None or all(map(math.isfinite, losses.values()))) or not weights_finite(model):
+                fail(f"the model is not finite at iteration {iter_num} (evaluation: {losses}): nothing "
+                     f"saved; the last checkpoint in {out_dir} is untouched")
             checkpoint.save(out_dir, model, optimizer, keep=keep_checkpoints, meta=dict(
                 iter_num=iter_num, best_val_loss=best_val_loss, model_args=model_args, config=config,
                 dist_backend=dist_backend, world_size=world_size))
@@ -334,12 +365,18 @@ while True:
         if on_nonfinite == "stop":
             fail(f"non-finite loss {loss_mean} or grad norm {grad_norm} at iteration {iter_num}; "
                  f"the last checkpoint in {out_dir} is untouched (on_nonfinite='skip' skips such steps)")
+        skipped_in_a_row += 1
+        if skipped_in_a_row > max_skipped_steps:  # a bad batch passes; a diverged model does not
+            fail(f"{skipped_in_a_row} steps in a row had a non-finite loss or grad norm (iteration {iter_num}): "
+                 f"skipping does not recover; the last checkpoint in {out_dir} is untouched")
         if master:
             print(f"iter {iter_num}: non-finite loss {loss_mean} or grad norm {grad_norm}: step skipped")
             log_metrics(iter=iter_num, event="skipped_nonfinite")
-    elif not step_before_check:
-        with obs.host_time("optimizer"):
-            back.step(optimizer)
+    else:
+        skipped_in_a_row = 0
+        if not step_before_check:
+            with obs.host_time("optimizer"):
+                back.step(optimizer)
     comm.add_step()  # (the memory reports' own all-reduce is not training traffic)
     # before zero_grad, so that the gradients are counted beside the parameters and optimizer state
     if len(memory_rows) == 1:
@@ -374,6 +411,8 @@ if master:
         log_metrics(**row)
     log_metrics(event="comm_per_step", **comm.per_step())
     metrics.close()
+if wandb_run is not None:
+    wandb_run.finish()  # (the exit below skips wandb's own teardown, which would flush the run)
 if dist.is_initialized():
     dist.destroy_process_group()
 # FSDP2 on gloo can abort in interpreter teardown after a clean run; we are done, so leave now

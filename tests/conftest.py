@@ -72,6 +72,13 @@ def run_train(tmp_out, nproc, *args, timeout=300):
     return launch(cmd, timeout)
 
 
+def one_error_line(res):
+    """The one `error:` line a failed run printed (a bad input must give exactly one)."""
+    lines = [line for line in res.stderr.splitlines() if line.startswith("error:")]
+    assert res.returncode != 0 and len(lines) == 1, res.describe()
+    return lines[0]
+
+
 def load_metrics(out_dir):
     """(train rows, eval rows) of out_dir/metrics.jsonl, in file order."""
     train, evals = [], []

@@ -7,8 +7,7 @@ import sys
 import pytest
 import torch
 
-from conftest import REPO, run_train
-from test_failures import one_error_line
+from conftest import REPO, one_error_line, run_train
 
 sys.path.insert(0, str(REPO))
 import configurator  # noqa: E402

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, launch, launcher, losses, run_train, subprocess_env
+from conftest import REPO, launch, launcher, losses, one_error_line, run_train, subprocess_env
 
 
 def free_port():
@@ -166,12 +166,6 @@ def test_keeps_the_last_k_checkpoints(args, tmp_path):
     assert all(f["bytes"] > 0 for f in manifest["files"].values())
 
 
-def one_error_line(res):
-    lines = [line for line in res.stderr.splitlines() if line.startswith("error:")]
-    assert res.returncode != 0 and len(lines) == 1, res.describe()
-    return lines[0]
-
-
 def test_nonfinite_loss_stops_naming_the_iteration_and_keeps_the_checkpoint(args, tmp_path):
     res = run_train(tmp_path, 2, *args, "--dist_backend=custom_fsdp", "--max_iters=4")
     assert res.returncode == 0, res.describe()
@@ -182,10 +176,60 @@ def test_nonfinite_loss_stops_naming_the_iteration_and_keeps_the_checkpoint(args
     assert "non-finite" in line and "at iteration" in line
     assert (tmp_path / "latest").read_text() == "ckpt-0000004"
     assert {p.name: p.read_bytes() for p in (tmp_path / "ckpt-0000004").iterdir()} == before
-    res = run_train(tmp_path / "skip", 1, *args, "--dist_backend=custom_fsdp", "--max_iters=3",
-                    "--on_nonfinite=skip", *bad)
-    assert res.returncode == 0, res.describe()
-    assert "step skipped" in res.stdout
+    # evaluated after every step: the first step's loss is finite, but the weights it leaves compute
+    # nan, and that evaluation must not become a checkpoint (it would replace the good one)
+    res = run_train(tmp_path, 2, *args, "--dist_backend=custom_fsdp", "--init_from=resume", "--eval_interval=1",
+                    "--max_iters=8", *bad)
+    assert "the model is not finite at iteration 5" in one_error_line(res)
+    assert (tmp_path / "latest").read_text() == "ckpt-0000004"
+    assert {p.name: p.read_bytes() for p in (tmp_path / "ckpt-0000004").iterdir()} == before
+
+
+def test_skipping_nonfinite_steps_gives_up_on_a_diverged_model(args, tmp_path):
+    bad = ["--learning_rate=1e9", "--warmup_iters=0", "--decay_lr=False", "--grad_clip=0.0", "--on_nonfinite=skip"]
+    res = run_train(tmp_path / "eval", 1, *args, "--dist_backend=custom_fsdp", "--max_iters=3", *bad)
+    assert "step skipped" in res.stdout  # iterations 1 and 2; the evaluation at 3 is nan: not saved
+    assert "the model is not finite at iteration 3" in one_error_line(res)
+    assert not (tmp_path / "eval" / "latest").exists()
+    res = run_train(tmp_path / "in_a_row", 1, *args, "--dist_backend=custom_fsdp", "--max_iters=12",
+                    "--eval_interval=100", "--max_skipped_steps=2", *bad)
+    assert "3 steps in a row had a non-finite loss" in one_error_line(res)
+
+
+def test_a_new_run_refuses_an_out_dir_with_checkpoints(args, saved, tmp_path):
+    out = tmp_path / "taken"
+    subprocess.run(["cp", "-r", str(saved), str(out)], check=True)
+    before = {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    line = one_error_line(run_train(out, 1, *args, "--dist_backend=custom_fsdp", "--max_iters=2"))
+    assert "holds another run's checkpoints" in line and "--init_from=resume" in line
+    assert {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+
+
+def test_pruning_keeps_the_checkpoints_saved_last(tmp_path):
+    """Resumed from an older checkpoint, a run saves lower iteration numbers than ones already
+    there: the checkpoint just saved must stay (by name it would have been the first to go)."""
+    sys.path.insert(0, str(REPO))
+    import checkpoint
+    for age, name in enumerate(["ckpt-0000004", "ckpt-0000008", "ckpt-0000006"]):  # in save order
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "manifest.json").write_text("{}")
+        os.utime(tmp_path / name / "manifest.json", (1000 + age, 1000 + age))
+    checkpoint._prune(str(tmp_path), keep="ckpt-0000006", count=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-0000006", "ckpt-0000008"]
+    checkpoint._prune(str(tmp_path), keep="ckpt-0000006", count=1)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-0000006"]
+
+
+@pytest.mark.parametrize("setting,named", [
+    (["--gradient_accumulation_steps=0"], "gradient_accumulation_steps=0 must be at least 1"),
+    (["--eval_interval=0"], "eval_interval=0 must be at least 1"),
+    (["--n_head=3"], "n_embd=32 is not divisible by n_head=3"),
+    (["--device=cuda"], "no CUDA device")], ids=["accumulation", "eval_interval", "heads", "cuda"])
+def test_impossible_settings_are_refused(args, tmp_path, setting, named):
+    if "cuda" in setting[0] and __import__("torch").cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    cmd = launcher(None) + [REPO / "train.py", f"--out_dir={tmp_path}", *args, "--device=cpu", *setting]
+    assert named in one_error_line(launch(cmd, timeout=120))
 
 
 @pytest.fixture(scope="module")
