@@ -14,9 +14,9 @@ first backend; below the table, each repeat's step time is also divided by the f
 run beside it, with the median and range of those ratios: the spread says how far to trust one.
 Per backend it also prints the training thread's CPU time per step in forward and backward,
 clipping and the optimizer step (train.py's host_ms): on a GPU, the host's own work. The table
-is also written as JSON (--json, default bench_out/bench.json). A backend may carry its own
-train.py settings after colons (`fsdp:reshard_after_forward=False`); they apply to that row
-only, on top of the command's.
+is also written as JSON (--json; by default bench_out/bench.json, or sweep.json / comm.json for
+--sweep / --comm). A backend may carry its own train.py settings after colons
+(`fsdp:reshard_after_forward=False`); they apply to that row only, on top of the command's.
 """
 import argparse
 import json
@@ -37,6 +37,7 @@ DEFAULTS = ["--n_layer=4", "--n_head=4", "--n_embd=256", "--batch_size=8", "--bl
             "--eval_iters=0", "--log_interval=1000000", "--keep_checkpoints=0",
             "--dropout=0.0", "--compile=False"]
 HOST_PHASES = ("forward_backward", "clip", "optimizer")  # the phases train.py times (host_ms)
+WARMUP_STEPS = 2  # the first steps of a run, left out of its medians
 
 
 def split_row(row):
@@ -72,7 +73,7 @@ def run_dir(args, row, tag):
 
 
 def summarize_run(rows):
-    steps = [r for r in rows if "loss" in r][2:]
+    steps = [r for r in rows if "loss" in r][WARMUP_STEPS:]
     memory = {r["stage"]: r for r in rows if r.get("event") == "memory"}
     comm = next(r for r in rows if r.get("event") == "comm_per_step")
     end = memory["after last step"]
@@ -159,8 +160,8 @@ def bench_backends(args, extra):
     for b in args.backends if args.exposed else ():  # one profiled run each: exposed communication
         out = run_dir(args, b, "profile")
         run_train(b, args.nproc, out, max(args.steps, 7), extra, profile=True)
-        with open(os.path.join(out, "traces", split_row(b)[0], "rank0.json")) as f:
-            s = overlap.summarize(overlap.analyse(json.load(f)))
+        trace = overlap.load(os.path.join(out, "traces", split_row(b)[0], "rank0.json"))
+        s = overlap.summarize(overlap.analyse(trace))
         table[b] |= {"exposed_comm_ms": s.get("exposed_ms"), "comm_ms": s.get("comm_ms"),
                      "hidden_fraction": s.get("hidden_fraction")}
     print(f"\n{args.nproc} processes, {args.repeats} repeats, {args.steps} steps; ratios vs {args.backends[0]}")
@@ -202,9 +203,10 @@ def comm_worker():
         full = torch.zeros(numel - numel % w, device=device)
         shard = torch.zeros(full.numel() // w, device=device)
         # (name, run it, bytes moved per rank as a fraction of the full buffer: bus bandwidth)
-        ops = (("all_gather", lambda: dist.all_gather_single(full, shard), (w - 1) / w),
+        ops = (("all_gather", lambda: comm.library_collective("all_gather_single")(full, shard), (w - 1) / w),
                ("ag_fsdp_impl", lambda: comm.all_gather(full, shard, dist.group.WORLD).wait(), (w - 1) / w),
-               ("reduce_scatter", lambda: dist.reduce_scatter_single(shard, full, op=dist.ReduceOp.AVG), (w - 1) / w),
+               ("reduce_scatter", lambda: comm.library_collective("reduce_scatter_single")(
+                   shard, full, op=dist.ReduceOp.AVG), (w - 1) / w),
                ("rs_fsdp_impl", lambda: comm.reduce_scatter(shard, full, dist.group.WORLD).wait(), (w - 1) / w),
                ("all_reduce", lambda: dist.all_reduce(full), 2 * (w - 1) / w))
         for name, op, moved in ops:
@@ -262,8 +264,12 @@ def main():
             split_row(row)
     except ValueError as e:
         p.error(str(e))
+    if args.steps < WARMUP_STEPS + 1 and not args.comm:
+        p.error(f"--steps={args.steps}: at least {WARMUP_STEPS + 1} (the first {WARMUP_STEPS}, warm-up, are not timed)")
     result = bench_comm(args) if args.comm else sweep(args, extra) if args.sweep else bench_backends(args, extra)
-    path = args.json or os.path.join(args.work_dir, "bench.json")
+    # each mode its own default file, so that one never overwrites another's results
+    default = "comm.json" if args.comm else "sweep.json" if args.sweep else "bench.json"
+    path = args.json or os.path.join(args.work_dir, default)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
         json.dump(result, f, indent=1)

@@ -4,8 +4,9 @@ Sample from a trained model: any checkpoint, whatever backend and world size wro
     python sample.py --out_dir=out-shakespeare-char --device=cpu
     python sample.py --init_from=gpt2 --start="To be or not"
 
-Reads out_dir/ckpt.pt if present (see `python checkpoint.py OUT_DIR`), else the latest
-checkpoint directory, straight into one unsharded model on one process.
+Reads the newer (by iteration) of out_dir/ckpt.pt (see `python checkpoint.py OUT_DIR`) and the
+latest checkpoint directory, straight into one unsharded model on one process, and names it on
+stderr (stdout holds only the samples).
 """
 import os
 import pickle
@@ -16,6 +17,35 @@ import torch
 import checkpoint
 import configurator
 from model import GPT, GPTConfig, load_pretrained_gpt2
+
+
+def load_newest(out_dir):
+    """(model, training config) from the newer of out_dir/ckpt.pt and the latest checkpoint
+    directory: an export goes stale once training continues, so neither simply wins."""
+    ckpt_pt = os.path.join(out_dir, "ckpt.pt")
+    exported = None
+    if os.path.exists(ckpt_pt):
+        try:  # mmap: the weights are read only if this one is used
+            exported = torch.load(ckpt_pt, map_location="cpu", mmap=True)
+        except (RuntimeError, pickle.UnpicklingError) as e:
+            raise checkpoint.CheckpointError(f"cannot read {ckpt_pt}: {str(e).splitlines()[0]}")
+    latest = None
+    if exported is None or os.path.exists(os.path.join(out_dir, "latest")):
+        # (with no ckpt.pt either, this raises the error that names the missing 'latest')
+        latest = checkpoint.read_manifest(checkpoint.latest_path(out_dir), verify=False)
+    # a tie: ckpt.pt is the export of that same checkpoint, in one file
+    if exported is not None and (latest is None or exported["iter_num"] >= latest["iter_num"]):
+        model = GPT(GPTConfig(**exported["model_args"]))
+        model.load_state_dict(exported["model"])
+        path, iter_num, config = ckpt_pt, exported["iter_num"], exported["config"]
+    else:
+        path, manifest = checkpoint.load_manifest(out_dir)  # verifies the files before loading
+        model = GPT(GPTConfig(**manifest["model_args"]))
+        checkpoint.load_model_only(path, model)
+        iter_num, config = manifest["iter_num"], manifest["config"]
+    print(f"loaded {path} (iteration {iter_num})", file=sys.stderr)
+    return model, config
+
 
 init_from = "resume"  # 'resume' (from out_dir) or a GPT-2 variant such as 'gpt2'
 out_dir = "out"
@@ -31,18 +61,8 @@ configurator.apply(globals(), sys.argv[1:])
 torch.manual_seed(seed)
 data_config = {}
 if init_from == "resume":
-    ckpt_pt = os.path.join(out_dir, "ckpt.pt")
     try:
-        if os.path.exists(ckpt_pt):
-            saved = torch.load(ckpt_pt, map_location="cpu")
-            model = GPT(GPTConfig(**saved["model_args"]))
-            model.load_state_dict(saved["model"])
-            data_config = saved["config"]
-        else:
-            path, manifest = checkpoint.load_manifest(out_dir)
-            model = GPT(GPTConfig(**manifest["model_args"]))
-            checkpoint.load_model_only(path, model)
-            data_config = manifest["config"]
+        model, data_config = load_newest(out_dir)
     except checkpoint.CheckpointError as e:
         raise SystemExit(f"error: {e}")
 else:
@@ -57,7 +77,13 @@ if data_config and os.path.exists(meta_path):
     with open(meta_path, "rb") as f:
         meta = pickle.load(f)
     stoi, itos = meta["stoi"], meta["itos"]
-    encode = lambda s: [stoi[c] for c in s]
+
+    def encode(s):
+        unknown = sorted(set(s) - stoi.keys())
+        if unknown:
+            raise SystemExit(f"error: --start has characters not in the vocabulary ({meta_path}): {''.join(unknown)!r}")
+        return [stoi[c] for c in s]
+
     decode = lambda ids: "".join(itos[i] for i in ids)
 else:
     import tiktoken
@@ -66,9 +92,14 @@ else:
     decode = enc.decode
 
 if start.startswith("FILE:"):
-    with open(start[5:]) as f:
-        start = f.read()
-x = torch.tensor(encode(start), dtype=torch.long, device=device)[None, ...]
+    try:
+        with open(start[5:]) as f:
+            start = f.read()
+    except OSError as e:
+        raise SystemExit(f"error: --start: cannot read {start[5:]}: {e.strerror}")
+# an empty prompt asks for samples from scratch: start them where a text starts, at a newline (the
+# default prompt; both vocabularies here have one, and encode refuses a character table without)
+x = torch.tensor(encode(start or "\n"), dtype=torch.long, device=device)[None, ...]
 with torch.no_grad():
     for _ in range(num_samples):
         y = model.generate(x, max_new_tokens, temperature=temperature, top_k=top_k)

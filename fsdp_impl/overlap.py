@@ -1,7 +1,7 @@
 """
 How much communication a profiler trace hid under compute, step by step, for any backend.
 
-    python -m fsdp_impl.overlap out/traces/custom_fsdp/rank0.json
+    python -m fsdp_impl.overlap out/traces/custom_fsdp/rank0.json [more traces ...]
 
 Communication: collective events (gloo's worker-thread ranges on CPU, NCCL kernels on GPU).
 Compute: GPU kernels that are not NCCL's; on CPU, the time the training thread (the one that
@@ -103,10 +103,25 @@ def summarize(rows):
     return out
 
 
-if __name__ == "__main__":
-    for path in sys.argv[1:]:
+def load(path):
+    """The trace in file `path`, or an exit with one line saying why it cannot be read."""
+    try:
         with open(path) as f:
-            rows = analyse(json.load(f))
+            trace = json.load(f)
+    except OSError as e:
+        raise SystemExit(f"error: cannot read {path}: {e.strerror}")
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise SystemExit(f"error: {path} is not JSON: {e}")
+    if not isinstance(trace, dict) or "traceEvents" not in trace:
+        raise SystemExit(f"error: {path} is not a profiler trace (no traceEvents)")
+    return trace
+
+
+if __name__ == "__main__":
+    if len(sys.argv) < 2:
+        raise SystemExit("usage: python -m fsdp_impl.overlap TRACE [TRACE ...]   (--profile=True writes them)")
+    for path in sys.argv[1:]:
+        rows = analyse(load(path))
         print(path)
         for r in rows:
             frac = "-" if r["hidden_fraction"] is None else f"{r['hidden_fraction']:.0%}"

@@ -19,7 +19,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--dataset", default="openwebtext", help="HuggingFace dataset name")
+    ap.add_argument("--dataset", default="openwebtext", help="HuggingFace dataset name, or a local copy's path")
     ap.add_argument("--num_proc", type=int, default=max(1, (os.cpu_count() or 2) // 2))
     ap.add_argument("--out_dir", default=HERE)
     ap.add_argument("--val_frac", type=float, default=0.0005)
@@ -27,7 +27,10 @@ def main():
     args = ap.parse_args()
 
     # openwebtext only ships a train split; carve a small val split out of it
-    ds = load_dataset(args.dataset, num_proc=args.num_proc)
+    try:
+        ds = load_dataset(args.dataset, num_proc=args.num_proc)
+    except ConnectionError as e:  # the hub unreachable and the dataset not in the local cache
+        raise SystemExit(f"error: {e}; offline, pass --dataset PATH to a local copy")
     split = ds["train"].train_test_split(test_size=args.val_frac, seed=args.seed, shuffle=True)
     split["val"] = split.pop("test")
 

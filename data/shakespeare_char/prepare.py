@@ -10,6 +10,7 @@ which sample.py / train.py need to decode and to know vocab_size).
 import argparse
 import os
 import pickle
+import shutil
 import urllib.request
 
 import numpy as np
@@ -25,7 +26,13 @@ def read_text(input_path):
         path = os.path.join(HERE, "input.txt")
         if not os.path.exists(path):
             print(f"downloading {URL}")
-            urllib.request.urlretrieve(URL, path)
+            try:  # into a temporary file first, so that a broken download never passes for the text
+                with urllib.request.urlopen(URL, timeout=60) as r, open(path + ".tmp", "wb") as f:
+                    shutil.copyfileobj(r, f)
+            except OSError as e:  # URLError, timeouts, resets: most often no network
+                raise SystemExit(f"error: cannot download {URL} ({getattr(e, 'reason', e)}); "
+                                 "offline, pass --input PATH to a local copy of input.txt")
+            os.replace(path + ".tmp", path)
     with open(path, "r", encoding="utf-8") as f:
         return f.read()
 

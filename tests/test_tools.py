@@ -1,0 +1,141 @@
+"""The tools around training, on good and bad input: sample.py picks the newest checkpoint and
+names it, the trace analyser, bench.py and the prepare scripts refuse bad input in one line."""
+import importlib.util
+import io
+import shutil
+import sys
+import urllib.error
+import urllib.request
+
+import pytest
+
+from conftest import REPO, clone_checkpoint, launch, one_error_line, run_train
+
+sys.path.insert(0, str(REPO))
+from fsdp_impl import overlap  # noqa: E402
+
+TINY = ["--n_layer=1", "--n_head=2", "--n_embd=32", "--block_size=32", "--batch_size=2", "--eval_interval=3",
+        "--eval_iters=1", "--compile=False"]
+
+
+def python(*args):
+    return launch([sys.executable, *args], timeout=120)
+
+
+def sample(out_dir, *args):
+    return python(REPO / "sample.py", f"--out_dir={out_dir}", "--device=cpu", "--num_samples=1",
+                  "--max_new_tokens=20", *args)
+
+
+@pytest.fixture(scope="module")
+def trained(char_data, tmp_path_factory):
+    """out_dir with checkpoints of iterations 3 and 6 (latest) and a stale ckpt.pt exported at 3,
+    and the iteration-6 checkpoint exported on its own (fresh/ckpt.pt)."""
+    root = tmp_path_factory.mktemp("trained")
+    out, args = root / "out", [f"--data_dir={char_data}", *TINY]
+    res = run_train(out, None, *args, "--max_iters=3")
+    assert res.returncode == 0, res.describe()
+    res = python(REPO / "checkpoint.py", out)
+    assert res.returncode == 0 and "iteration 3" in res.stdout, res.describe()
+    res = run_train(out, None, *args, "--max_iters=6", "--init_from=resume")
+    assert res.returncode == 0, res.describe()
+    fresh = clone_checkpoint(out, 6, root / "fresh")
+    res = python(REPO / "checkpoint.py", fresh)
+    assert res.returncode == 0 and "iteration 6" in res.stdout, res.describe()
+    return out, fresh / "ckpt.pt"
+
+
+def test_sample_takes_the_newer_of_ckpt_pt_and_latest(trained, tmp_path):
+    out, fresh_pt = trained
+    from_dcp = sample(out)  # latest (6) is newer than the exported ckpt.pt (3)
+    assert from_dcp.returncode == 0, from_dcp.describe()
+    assert f"loaded {out / 'ckpt-0000006'} (iteration 6)" in from_dcp.stderr.splitlines()
+    # the other way round: latest at 3, ckpt.pt exported at 6
+    older = clone_checkpoint(out, 3, tmp_path / "older")
+    shutil.copy(fresh_pt, older / "ckpt.pt")
+    from_pt = sample(older)
+    assert from_pt.returncode == 0, from_pt.describe()
+    assert f"loaded {older / 'ckpt.pt'} (iteration 6)" in from_pt.stderr.splitlines()
+    # the same weights either way, and stdout holds only the samples
+    assert from_pt.stdout == from_dcp.stdout and "loaded" not in from_dcp.stdout
+
+
+def test_sample_starts_an_empty_prompt_from_a_newline(trained):
+    res = sample(trained[0], "--start=")
+    assert res.returncode == 0, res.describe()
+    assert res.stdout.startswith("\n") and len(res.stdout.split("---------------")[0]) > 1
+
+
+@pytest.mark.parametrize("start,fragments", [("{hello}", ["not in the vocabulary", ": '{}'"]),
+                                              ("FILE:/no/such/prompt", ["cannot read /no/such/prompt"])])
+def test_sample_refuses_a_bad_prompt(trained, start, fragments):
+    line = one_error_line(sample(trained[0], f"--start={start}"))
+    assert all(f in line for f in fragments), line
+
+
+def test_sample_refuses_an_unreadable_ckpt_pt(tmp_path):
+    (tmp_path / "ckpt.pt").write_bytes(b"not a checkpoint")
+    assert f"cannot read {tmp_path / 'ckpt.pt'}" in one_error_line(sample(tmp_path))
+
+
+def test_overlap_without_a_trace_prints_usage():
+    res = python("-m", "fsdp_impl.overlap")
+    assert res.returncode != 0 and res.stderr.strip().startswith("usage:") and len(res.stderr.splitlines()) == 1
+
+
+@pytest.mark.parametrize("content,problem", [(None, "No such file"), ("{not json", "is not JSON"),
+                                             ('{"events": []}', "not a profiler trace")])
+def test_overlap_refuses_a_bad_trace(tmp_path, content, problem):
+    trace = tmp_path / "rank0.json"
+    if content is not None:
+        trace.write_text(content)
+    with pytest.raises(SystemExit) as exit_:  # (what `python -m fsdp_impl.overlap TRACE` prints)
+        overlap.load(trace)
+    message = str(exit_.value)
+    assert message.startswith("error:") and problem in message and str(trace) in message and "\n" not in message
+
+
+def test_bench_refuses_too_few_steps_before_running(tmp_path):
+    res = python(REPO / "bench.py", "--steps=2", f"--work_dir={tmp_path / 'work'}")
+    assert res.returncode == 2 and "--steps=2: at least 3" in res.stderr.splitlines()[-1], res.describe()
+    assert not (tmp_path / "work").exists()  # nothing ran
+
+
+def load_script(name):
+    """data/<name>/prepare.py as a module, to call its functions in this process."""
+    spec = importlib.util.spec_from_file_location(f"prepare_{name}", REPO / "data" / name / "prepare.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("name", ["shakespeare_char", "shakespeare"])
+def test_prepare_downloads_online_and_says_pass_input_offline(name, tmp_path, monkeypatch):
+    prepare = load_script(name)
+    monkeypatch.setattr(prepare, "HERE", str(tmp_path))  # where it looks for, and downloads, input.txt
+    monkeypatch.delenv("SHAKESPEARE_INPUT", raising=False)
+
+    def offline(url, timeout):
+        raise urllib.error.URLError("[Errno -3] Temporary failure in name resolution")
+    monkeypatch.setattr(urllib.request, "urlopen", offline)
+    with pytest.raises(SystemExit) as exit_:
+        prepare.read_text(None)
+    message = str(exit_.value)
+    assert message.startswith("error: cannot download") and "pass --input PATH" in message and "\n" not in message
+    assert not list(tmp_path.iterdir())  # no empty or partial input.txt left to be taken for the text
+
+    monkeypatch.setattr(urllib.request, "urlopen", lambda url, timeout: io.BytesIO(b"First Citizen:\n"))
+    assert prepare.read_text(None) == "First Citizen:\n"
+    assert [p.name for p in tmp_path.iterdir()] == ["input.txt"]
+
+
+def test_openwebtext_offline_says_pass_a_local_copy(tmp_path, monkeypatch):
+    prepare = load_script("openwebtext")
+
+    def offline(name, num_proc):
+        raise ConnectionError(f"Couldn't reach '{name}' on the Hub (LocalEntryNotFoundError)")
+    monkeypatch.setattr(prepare, "load_dataset", offline)
+    monkeypatch.setattr(sys, "argv", ["prepare.py", f"--out_dir={tmp_path}"])
+    with pytest.raises(SystemExit) as exit_:
+        prepare.main()
+    assert str(exit_.value).startswith("error: Couldn't reach 'openwebtext'") and "--dataset PATH" in str(exit_.value)
