@@ -325,9 +325,10 @@ class ShardedUnit:
         hold): mirror it on the unsharded ones, and count the gradients to wait for."""
         self.n_grad_params = 0
         for ps in self.params:
-            if ps.unsharded.requires_grad != ps.sharded.requires_grad:
-                ps.unsharded.requires_grad_(ps.sharded.requires_grad)
-            self.n_grad_params += ps.sharded.requires_grad
+            wanted = ps.sharded.requires_grad
+            if ps.unsharded.requires_grad != wanted:
+                ps.unsharded.requires_grad_(wanted)
+            self.n_grad_params += wanted
 
     def post_forward(self, grad_enabled):
         if self.training_state == "pre_backward":
