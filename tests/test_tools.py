@@ -101,36 +101,35 @@ def test_bench_refuses_too_few_steps_before_running(tmp_path):
     assert not (tmp_path / "work").exists()  # nothing ran
 
 
-def load_script(name):
-    """data/<name>/prepare.py as a module, to call its functions in this process."""
-    spec = importlib.util.spec_from_file_location(f"prepare_{name}", REPO / "data" / name / "prepare.py")
+def load_script(path):
+    """A script of the repo as a module, to call its functions in this process."""
+    spec = importlib.util.spec_from_file_location(path.stem, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
-@pytest.mark.parametrize("name", ["shakespeare_char", "shakespeare"])
-def test_prepare_downloads_online_and_says_pass_input_offline(name, tmp_path, monkeypatch):
-    prepare = load_script(name)
-    monkeypatch.setattr(prepare, "HERE", str(tmp_path))  # where it looks for, and downloads, input.txt
+def test_shakespeare_download_online_and_pass_input_offline(tmp_path, monkeypatch):
+    """The reader both data/shakespeare*/prepare.py use."""
+    tinyshakespeare = load_script(REPO / "data" / "tinyshakespeare.py")
     monkeypatch.delenv("SHAKESPEARE_INPUT", raising=False)
 
     def offline(url, timeout):
         raise urllib.error.URLError("[Errno -3] Temporary failure in name resolution")
     monkeypatch.setattr(urllib.request, "urlopen", offline)
     with pytest.raises(SystemExit) as exit_:
-        prepare.read_text(None)
+        tinyshakespeare.read_text(None, str(tmp_path))
     message = str(exit_.value)
     assert message.startswith("error: cannot download") and "pass --input PATH" in message and "\n" not in message
     assert not list(tmp_path.iterdir())  # no empty or partial input.txt left to be taken for the text
 
     monkeypatch.setattr(urllib.request, "urlopen", lambda url, timeout: io.BytesIO(b"First Citizen:\n"))
-    assert prepare.read_text(None) == "First Citizen:\n"
+    assert tinyshakespeare.read_text(None, str(tmp_path)) == "First Citizen:\n"
     assert [p.name for p in tmp_path.iterdir()] == ["input.txt"]
 
 
 def test_openwebtext_offline_says_pass_a_local_copy(tmp_path, monkeypatch):
-    prepare = load_script("openwebtext")
+    prepare = load_script(REPO / "data" / "openwebtext" / "prepare.py")
 
     def offline(name, num_proc):
         raise ConnectionError(f"Couldn't reach '{name}' on the Hub (LocalEntryNotFoundError)")

@@ -10,31 +10,14 @@ at a folder that already holds them.
 """
 import argparse
 import os
-import shutil
-import urllib.request
+import sys
 
 import numpy as np
 import tiktoken
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
-
-
-def read_text(input_path):
-    path = input_path or os.environ.get("SHAKESPEARE_INPUT")
-    if not path:
-        path = os.path.join(HERE, "input.txt")
-        if not os.path.exists(path):
-            print(f"downloading {URL}")
-            try:  # into a temporary file first, so that a broken download never passes for the text
-                with urllib.request.urlopen(URL, timeout=60) as r, open(path + ".tmp", "wb") as f:
-                    shutil.copyfileobj(r, f)
-            except OSError as e:  # URLError, timeouts, resets: most often no network
-                raise SystemExit(f"error: cannot download {URL} ({getattr(e, 'reason', e)}); "
-                                 "offline, pass --input PATH to a local copy of input.txt")
-            os.replace(path + ".tmp", path)
-    with open(path, "r", encoding="utf-8") as f:
-        return f.read()
+sys.path.insert(0, os.path.dirname(HERE))  # data/, for the reader both prepare scripts share
+from tinyshakespeare import read_text  # noqa: E402
 
 
 def main():
@@ -43,7 +26,7 @@ def main():
     ap.add_argument("--out_dir", default=HERE)
     args = ap.parse_args()
 
-    data = read_text(args.input)
+    data = read_text(args.input, HERE)
     n = len(data)
     # split the text (not the tokens) 90/10, then tokenize each side on its own
     train_text, val_text = data[: int(n * 0.9)], data[int(n * 0.9):]

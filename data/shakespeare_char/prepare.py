@@ -10,31 +10,13 @@ which sample.py / train.py need to decode and to know vocab_size).
 import argparse
 import os
 import pickle
-import shutil
-import urllib.request
+import sys
 
 import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
-
-
-def read_text(input_path):
-    # explicit path (flag or env) wins, so offline machines never touch the network
-    path = input_path or os.environ.get("SHAKESPEARE_INPUT")
-    if not path:
-        path = os.path.join(HERE, "input.txt")
-        if not os.path.exists(path):
-            print(f"downloading {URL}")
-            try:  # into a temporary file first, so that a broken download never passes for the text
-                with urllib.request.urlopen(URL, timeout=60) as r, open(path + ".tmp", "wb") as f:
-                    shutil.copyfileobj(r, f)
-            except OSError as e:  # URLError, timeouts, resets: most often no network
-                raise SystemExit(f"error: cannot download {URL} ({getattr(e, 'reason', e)}); "
-                                 "offline, pass --input PATH to a local copy of input.txt")
-            os.replace(path + ".tmp", path)
-    with open(path, "r", encoding="utf-8") as f:
-        return f.read()
+sys.path.insert(0, os.path.dirname(HERE))  # data/, for the reader both prepare scripts share
+from tinyshakespeare import read_text  # noqa: E402
 
 
 def main():
@@ -43,7 +25,7 @@ def main():
     ap.add_argument("--out_dir", default=HERE)
     args = ap.parse_args()
 
-    data = read_text(args.input)
+    data = read_text(args.input, HERE)
     print(f"dataset length in characters: {len(data):,}")
 
     # the vocabulary is simply every distinct character; sorted so ids are deterministic
