@@ -9,6 +9,7 @@ strings). Every value, from a file or the command line, must have the type of th
 default (an int is taken where a float is expected; a bool is not an int). Unknown keys are an
 error too: a typo must never silently train the wrong model.
 """
+import os
 import sys
 import traceback
 import types
@@ -16,7 +17,8 @@ from ast import literal_eval
 
 
 def fail(msg):
-    print(f"error: {msg}", file=sys.stderr)
+    if os.environ.get("RANK", "0") == "0":  # under torchrun every process parses the same arguments
+        print(f"error: {msg}", file=sys.stderr)
     raise SystemExit(2)
 
 

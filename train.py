@@ -177,13 +177,13 @@ if init_from == "scratch" and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0
 if init_from == "scratch" and keep_checkpoints and os.path.exists(os.path.join(out_dir, "latest")):
     fail(f"{out_dir} holds another run's checkpoints: continue it with --init_from=resume, or choose "
          "another out_dir (a new run there would replace them)")
+data_vocab = 50257  # the data's token ids are below this: GPT-2's BPE, unless meta.pkl says otherwise
+if os.path.exists(os.path.join(data_dir, "meta.pkl")):
+    import pickle
+    with open(os.path.join(data_dir, "meta.pkl"), "rb") as f:
+        data_vocab = pickle.load(f)["vocab_size"]
 if init_from == "scratch":
-    meta_path = os.path.join(data_dir, "meta.pkl")
-    if os.path.exists(meta_path):
-        import pickle
-        with open(meta_path, "rb") as f:
-            model_args["vocab_size"] = pickle.load(f)["vocab_size"]
-    model_args["vocab_size"] = model_args["vocab_size"] or 50304
+    model_args["vocab_size"] = data_vocab if data_vocab != 50257 else 50304  # (BPE padded: faster matmuls)
 elif init_from == "resume":
     try:
         ckpt_path, manifest = checkpoint.load_manifest(out_dir)
@@ -194,6 +194,9 @@ elif init_from == "resume":
         if manifest["model_args"][k] != model_args[k]:
             fail(f"checkpoint {ckpt_path} has {k}={manifest['model_args'][k]} but this run asks {k}={model_args[k]}")
     model_args["vocab_size"] = manifest["model_args"]["vocab_size"]
+    if data_vocab > model_args["vocab_size"]:
+        fail(f"checkpoint {ckpt_path} has a vocabulary of {model_args['vocab_size']} tokens, smaller than "
+             f"the {data_vocab} of the data in {data_dir}: resume on the dataset it was trained on")
 elif init_from.startswith("gpt2"):
     gptconf, pretrained = load_pretrained_gpt2(init_from, dropout)
     model_args.update(n_layer=gptconf.n_layer, n_head=gptconf.n_head, n_embd=gptconf.n_embd,

@@ -3,6 +3,7 @@ mid-training and mid-save, elastic restart, checkpoint rotation, non-finite loss
 bad-input cases of resuming. Every process started here is killed on the way out."""
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -266,3 +267,20 @@ def test_out_dir_not_writable(args, tmp_path):
     line = one_error_line(launch(launcher(None) + [REPO / "train.py", f"--out_dir={blocker / 'out'}",
                                                    "--device=cpu", *args], timeout=120))
     assert "not writable" in line
+
+
+def test_resume_on_data_with_a_larger_vocabulary_is_refused(args, saved, char_data, tmp_path):
+    import pickle
+    data = tmp_path / "data"
+    shutil.copytree(char_data, data)
+    with open(data / "meta.pkl", "rb") as f:
+        meta = pickle.load(f)
+    with open(data / "meta.pkl", "wb") as f:
+        pickle.dump({**meta, "vocab_size": meta["vocab_size"] + 10}, f)
+    line = one_error_line(run_train(saved, 1, *args, f"--data_dir={data}", "--dist_backend=ddp", "--init_from=resume"))
+    assert f"vocabulary of {meta['vocab_size']} tokens" in line
+
+
+def test_a_bad_setting_under_torchrun_is_one_line(args, tmp_path):
+    """Every process parses the arguments; only the first says what is wrong."""
+    assert "unknown config key 'no_such_key'" in one_error_line(run_train(tmp_path, 2, *args, "--no_such_key=1"))
