@@ -146,6 +146,16 @@ class Backend:
     def step(self, optimizer):
         optimizer.step()
 
+    def skip_step(self, optimizer):
+        """A step not taken (non-finite loss, on_nonfinite='skip')."""
+
+    def loss_scale_state(self):
+        """What a checkpoint keeps of the loss scaling (float16 under DDP), as JSON."""
+        return {}
+
+    def load_loss_scale_state(self, state):
+        pass
+
     @staticmethod
     def unwrap(model):
         """The GPT itself (for generate, the optimizer and state dicts)."""
@@ -200,6 +210,16 @@ class DDPBackend(Backend):
     def step(self, optimizer):
         self.scaler.step(optimizer)
         self.scaler.update()
+
+    def skip_step(self, optimizer):
+        self.scaler.update()  # clip_grad_norm unscaled: the scaler must close the step (and back off)
+
+    def loss_scale_state(self):
+        return self.scaler.state_dict()  # {} unless float16; else the scale and its growth counter
+
+    def load_loss_scale_state(self, state):
+        if state and self.loss_scaling:  # (a checkpoint of another dtype has none: start afresh)
+            self.scaler.load_state_dict(state)
 
 
 class FSDPBackend(Backend):

@@ -147,11 +147,16 @@ def load_manifest(out_dir):
 
 
 def load(path, model, optimizer):
-    """Load model and optimizer state (any backend, any world size) in place."""
+    """Load model and optimizer state (any backend, any world size) in place. The optimizer keeps
+    this run's settings (weight decay, betas: a resume may change them); its state (moments, step
+    counts) is the checkpoint's."""
+    settings = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
     state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
     dcp.load(state, checkpoint_id=path)
     set_model_state_dict(model, state["model"])
     set_optimizer_state_dict(model, optimizer, state["optim"])
+    for group, mine in zip(optimizer.param_groups, settings):
+        group.update(mine)
 
 
 def load_model_only(path, model):

@@ -127,6 +127,9 @@ for name in ("batch_size", "block_size", "gradient_accumulation_steps", "eval_in
         fail(f"{name}={globals()[name]} must be at least 1")
 if n_embd % n_head:
     fail(f"n_embd={n_embd} is not divisible by n_head={n_head}")
+if decay_lr and not (warmup_iters < lr_decay_iters and min_lr <= learning_rate):
+    fail(f"the learning-rate schedule needs warmup_iters < lr_decay_iters and min_lr <= learning_rate "
+         f"(got {warmup_iters}, {lr_decay_iters}, {min_lr}, {learning_rate})")
 if gradient_accumulation_steps % world_size:
     fail(f"gradient_accumulation_steps={gradient_accumulation_steps} is not divisible by the world size {world_size}")
 local_steps = gradient_accumulation_steps // world_size  # micro-batches on this rank per step
@@ -234,6 +237,7 @@ if init_from == "resume":
     except Exception as e:  # DCP raises many kinds; the manifest checks caught the common ones
         fail(f"cannot load checkpoint {ckpt_path}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
     iter_num, best_val_loss = manifest["iter_num"], manifest["best_val_loss"]
+    back.load_loss_scale_state(manifest.get("loss_scale"))
     if master:
         print(f"resumed from {ckpt_path} at iteration {iter_num}")
 memory_rows = [obs.memory("after model creation", model, optimizer)]
@@ -326,7 +330,7 @@ while True:
                      f"saved; the last checkpoint in {out_dir} is untouched")
             checkpoint.save(out_dir, model, optimizer, keep=keep_checkpoints, meta=dict(
                 iter_num=iter_num, best_val_loss=best_val_loss, model_args=model_args, config=config,
-                dist_backend=dist_backend, world_size=world_size))
+                dist_backend=dist_backend, world_size=world_size, loss_scale=back.loss_scale_state()))
             if master:
                 print(f"saved checkpoint at iteration {iter_num} to {out_dir}")
     if iter_num >= max_iters:
@@ -372,6 +376,7 @@ while True:
         if skipped_in_a_row > max_skipped_steps:  # a bad batch passes; a diverged model does not
             fail(f"{skipped_in_a_row} steps in a row had a non-finite loss or grad norm (iteration {iter_num}): "
                  f"skipping does not recover; the last checkpoint in {out_dir} is untouched")
+        back.skip_step(optimizer)
         if master:
             print(f"iter {iter_num}: non-finite loss {loss_mean} or grad norm {grad_norm}: step skipped")
             log_metrics(iter=iter_num, event="skipped_nonfinite")

@@ -225,7 +225,10 @@ def test_pruning_keeps_the_checkpoints_saved_last(tmp_path):
     (["--gradient_accumulation_steps=0"], "gradient_accumulation_steps=0 must be at least 1"),
     (["--eval_interval=0"], "eval_interval=0 must be at least 1"),
     (["--n_head=3"], "n_embd=32 is not divisible by n_head=3"),
-    (["--device=cuda"], "no CUDA device")], ids=["accumulation", "eval_interval", "heads", "cuda"])
+    (["--device=cuda"], "no CUDA device"),
+    (["--warmup_iters=10", "--lr_decay_iters=10"], "needs warmup_iters < lr_decay_iters"),
+    (["--min_lr=1.0"], "min_lr <= learning_rate")],
+    ids=["accumulation", "eval_interval", "heads", "cuda", "decay_before_warmup_ends", "min_lr_above_peak"])
 def test_impossible_settings_are_refused(args, tmp_path, setting, named):
     if "cuda" in setting[0] and __import__("torch").cuda.is_available():
         pytest.skip("this machine has CUDA")
@@ -284,3 +287,35 @@ def test_resume_on_data_with_a_larger_vocabulary_is_refused(args, saved, char_da
 def test_a_bad_setting_under_torchrun_is_one_line(args, tmp_path):
     """Every process parses the arguments; only the first says what is wrong."""
     assert "unknown config key 'no_such_key'" in one_error_line(run_train(tmp_path, 2, *args, "--no_such_key=1"))
+
+
+def test_resume_takes_this_runs_optimizer_settings(args, saved, tmp_path):
+    """Loading the optimizer's state must not bring back the saved run's weight decay and betas."""
+    runs = {}
+    for beta1 in (0.9, 0.1):
+        out = tmp_path / f"beta1_{beta1}"
+        subprocess.run(["cp", "-r", str(saved), str(out)], check=True)
+        res = run_train(out, 2, *args, "--dist_backend=custom_fsdp", "--init_from=resume", "--max_iters=6",
+                        f"--beta1={beta1}")
+        assert res.returncode == 0, res.describe()
+        runs[beta1] = losses(out)
+    assert runs[0.9][5] != runs[0.1][5]  # the step at iteration 4 used the new beta1
+
+
+def test_float16_loss_scale_is_checkpointed_and_skips_close_the_step(args, tmp_path):
+    res = run_train(tmp_path, 1, *args, "--dist_backend=ddp", "--dtype=float16", "--max_iters=4")
+    assert res.returncode == 0, res.describe()
+    manifest_path = tmp_path / "ckpt-0000004" / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    assert manifest["loss_scale"]["_growth_tracker"] == 4  # four steps without an overflow
+    manifest["loss_scale"]["scale"] = 2.0  # (the manifest itself carries no checksum)
+    manifest_path.write_text(json.dumps(manifest))
+    res = run_train(tmp_path, 1, *args, "--dist_backend=ddp", "--dtype=float16", "--init_from=resume")
+    assert res.returncode == 0, res.describe()
+    resumed = json.loads((tmp_path / "ckpt-0000008" / "manifest.json").read_text())["loss_scale"]
+    assert resumed["scale"] == 2.0 and resumed["_growth_tracker"] == 8  # carried on, not reset to 65536
+    # a skipped step under loss scaling: the scaler must be told, or the next step's unscale_ raises
+    bad = ["--learning_rate=1e9", "--warmup_iters=0", "--decay_lr=False", "--grad_clip=0.0", "--on_nonfinite=skip"]
+    res = run_train(tmp_path / "skip", 1, *args, "--dist_backend=ddp", "--dtype=float16", "--max_iters=12",
+                    "--eval_interval=100", "--max_skipped_steps=2", *bad)
+    assert "steps in a row had a non-finite loss" in one_error_line(res)
