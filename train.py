@@ -307,7 +307,6 @@ if wandb_log and master:
 # training loop: iterations iter_num .. max_iters-1; evaluate (and checkpoint) every eval_interval
 start_iter = iter_num  # a checkpoint of this iteration exists already (or it is 0)
 skipped_in_a_row = 0  # on_nonfinite='skip'
-t0 = time.time()
 while True:
     lr = get_lr(iter_num)
     for group in optimizer.param_groups:
@@ -335,6 +334,7 @@ while True:
                 print(f"saved checkpoint at iteration {iter_num} to {out_dir}")
     if iter_num >= max_iters:
         break
+    t0 = time.time()  # the step's time: not the evaluation and checkpoint above, which are not training
 
     # one optimizer step over the global batch: this rank's micro-batches, gradients
     # communicated on the last one only
@@ -396,8 +396,7 @@ while True:
         trim_malloc_heap()
     obs.after_step()
 
-    t1 = time.time()
-    dt, t0 = t1 - t0, t1
+    dt = time.time() - t0
     if master:
         mfu = gpt.estimate_mfu(local_steps * batch_size, dt, peak_flops)
         row = dict(iter=iter_num, loss=loss_mean, grad_norm=grad_norm, lr=lr, dt_ms=dt * 1000,
