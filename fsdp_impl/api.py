@@ -15,7 +15,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
-from torch.utils._pytree import tree_leaves, tree_map_only
+from torch.distributed.utils import _apply_to_tensors
+from torch.utils._pytree import tree_leaves
 
 from .schedule import Schedule
 from .unit import ShardedUnit
@@ -63,7 +64,8 @@ def fully_shard(module, *, mesh=None, reshard_after_forward=None, mp_policy=Mixe
     unit = ShardedUnit(modules, mesh, reshard_after_forward, mp_policy, offload_policy)
     for m in modules:
         m._fsdp_unit = unit
-        m.register_forward_pre_hook(_pre_forward, with_kwargs=True)
+        # first, so that hooks the module already had see its gathered parameters (as under FSDP2)
+        m.register_forward_pre_hook(_pre_forward, with_kwargs=True, prepend=True)
         m.register_forward_hook(_post_forward)
         # state_dict() and load_state_dict() see the sharded DTensors
         m.register_state_dict_pre_hook(lambda *_: unit.reshard())
@@ -94,7 +96,8 @@ def _lazy_init(root_module):
 
 
 def _cast(tree, dtype):
-    return tree_map_only(torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t, tree)
+    # (torch's own walk, FSDP2's too: it opens dataclasses, which pytree does not)
+    return _apply_to_tensors(lambda t: t.to(dtype) if t.is_floating_point() else t, tree)
 
 
 def _pre_forward(module, args, kwargs):

@@ -86,6 +86,8 @@ _step_hook = None
 def _reshard_before_optimizer_step(optimizer, args, kwargs):
     for schedule in _schedules:
         for unit in schedule.units:
+            if unit.training_state != "idle":
+                continue  # mid-forward or mid-backward (an optimizer stepped in backward): still in use
             unit.reshard()  # nothing to do for a unit already sharded (the usual case)
 
 

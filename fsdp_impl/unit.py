@@ -105,6 +105,7 @@ class ShardedUnit:
         self.training_state = "idle"  # idle | forward | pre_backward
         self.grads_to_come = 0
         self.needs_post_backward = False
+        self.holds_unreduced_grads = False  # accumulated with gradient sync off, not yet reduce-scattered
         self._gather = None  # (work, output, input) while GATHERING
         self._full_memory = None  # from buffers.fill(flat_full), for buffers.drain()
         self._reduction = None  # (work, input, output, params) while a reduce-scatter is in flight
@@ -299,6 +300,7 @@ class ShardedUnit:
         self._end_phase_range()
         self.training_state = "idle"
         self.needs_post_backward = False
+        self.holds_unreduced_grads = False
         self._partial_reduction = None
         for ps in self.params:
             ps.accumulated_grad = None
@@ -307,6 +309,12 @@ class ShardedUnit:
 
     # ---- hooks' bodies (called from api.py) ----------------------------------------------
     def pre_forward(self):
+        if self.training_state == "pre_backward" and not self.needs_post_backward:
+            # a recomputation (reentrant checkpointing) after this unit's post-backward ran and
+            # resharded it: gather again and expect the grads its nested backward will produce
+            self.wait_unshard()
+            self._expect_grads()
+            return
         if self.training_state != "idle":
             # "forward": a later module of a grouped unit; "pre_backward": activation
             # checkpointing recomputes inside backward. Either way the unit is already gathered.
@@ -370,7 +378,7 @@ class ShardedUnit:
     @torch.no_grad()
     def post_backward(self):
         """All grads of this unit are in: reduce-scatter them (or keep accumulating), then reshard."""
-        if not self.needs_post_backward:
+        if not self.needs_post_backward and not (self.requires_grad_sync and self.holds_unreduced_grads):
             return
         self.needs_post_backward = False
         ledger.log("backward_end", self.name)
@@ -379,6 +387,7 @@ class ShardedUnit:
             if ps.accumulated_grad is not None and ps.unsharded.grad is not None:
                 ps.accumulated_grad += ps.unsharded.grad
                 ps.unsharded.grad = None
+        self.holds_unreduced_grads = not self.requires_grad_sync
         if not self.requires_grad_sync:
             if self.reshard_after_backward:
                 self.reshard()

@@ -31,8 +31,11 @@ from conftest import REPO, launch, launcher
 WORKER = REPO / "tests" / "flows_worker.py"
 LAUNCH_TIMEOUT_S = 240
 FLOWS = ["retain_graph", "autograd_grad_then_backward", "partial_no_grad_forward_before_step",
-         "partial_no_grad_forward_before_step_explicit_prefetch", "reentrant_checkpoint", "requires_grad_toggle", "load_state_dict_assign", "load_state_dict_assign_meta",
-         "grouped_unit_last_module_skipped", "dataclass_output", "reset_after_exception_in_backward"]
+         "partial_no_grad_forward_before_step_explicit_prefetch", "reentrant_checkpoint", "requires_grad_toggle",
+         "load_state_dict_assign", "load_state_dict_assign_meta", "grouped_unit_last_module_skipped",
+         "dataclass_output", "reset_after_exception_in_backward", "unit_skipped_in_the_sync_micro_step",
+         "optimizer_step_in_backward", "reentrant_checkpoint_two_forwards", "mixed_precision_dataclass_io",
+         "forward_pre_hook_registered_before_fully_shard"]
 
 
 @pytest.fixture(scope="module")
@@ -54,8 +57,9 @@ def test_flow_matches_reference(report, flow):
         assert f"{impl}_error" not in r, f"{impl} raised in {flow}:\n{r[f'{impl}_error']}"
     # the parameters moved (so the comparison is not between untouched inits); equality carries it to ours
     assert r["params_moved"]["reference"], "the reference's parameters did not move: the comparison would be vacuous"
-    assert r["param_diff"] == 0.0 and r["param_bitwise"], f"final parameters differ by up to {r['param_diff']}"
-    assert r["grad_diff"] == 0.0 and r["grad_bitwise"], f"the last step's grads differ by up to {r['grad_diff']}"
+    tol = r["tolerance"]  # 0 (bitwise) but where the worker says why the summation order differs
+    assert r["param_diff"] <= tol and (tol or r["param_bitwise"]), f"final parameters differ by up to {r['param_diff']}"
+    assert r["grad_diff"] <= tol and (tol or r["grad_bitwise"]), f"the last step's grads differ by up to {r['grad_diff']}"
 
 
 def test_non_root_forward_first_raises(report):
