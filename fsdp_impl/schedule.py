@@ -92,10 +92,10 @@ def _reshard_before_optimizer_step(optimizer, args, kwargs):
 
 
 class Schedule:
-    def __init__(self, units, root, device):
+    def __init__(self, units, root):
         global _step_hook
         self.units, self.root = units, root
-        self.buffers = BufferPool(device)
+        self.buffers = BufferPool(root.compute_device)
         self.pre_forward_order, self.post_forward_order = [], []
         self.recording = True
         self.next_forward, self.next_backward = {}, {}
