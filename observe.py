@@ -28,10 +28,15 @@ def rss_mb():
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
 
 
+def local_tensor(t):
+    """What this rank holds of `t`: a DTensor's local shard, or a plain tensor itself."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
 def model_state_mb(model, optimizer):
     """This rank's bytes of parameters, gradients and optimizer state (local shards only)."""
     def local(t):
-        t = t.to_local() if hasattr(t, "to_local") else t
+        t = local_tensor(t)
         return t.numel() * t.element_size()
     params = list(model.parameters())
     state = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]

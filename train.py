@@ -267,7 +267,7 @@ def estimate_loss():
 @torch.no_grad()
 def weights_finite(model):
     """Whether every weight is finite, on every rank (each looks at the shards it holds)."""
-    local = [p.to_local() if hasattr(p, "to_local") else p for p in model.parameters()]
+    local = [observe.local_tensor(p) for p in model.parameters()]
     finite = torch.stack([torch.isfinite(t).all() for t in local]).all().to(device, torch.float32)
     if world_size > 1:
         dist.all_reduce(finite, op=dist.ReduceOp.MIN)
