@@ -86,12 +86,18 @@ def save(out_dir, model, optimizer, meta, keep=2):
     _barrier()
 
 
+def _by_save_time(out_dir):
+    """The checkpoint directories in out_dir, the one saved last at the end: after a resume from
+    an older checkpoint, higher iteration numbers may be older."""
+    def saved_at(name):
+        manifest = os.path.join(out_dir, name, "manifest.json")
+        return os.path.getmtime(manifest) if os.path.exists(manifest) else 0.0
+    return sorted((d for d in os.listdir(out_dir) if d.startswith("ckpt-") and "." not in d), key=saved_at)
+
+
 def _prune(out_dir, keep, count):
-    """Keep checkpoint `keep` (just saved) and the newest count-1 others, newest by when they were
-    saved: after a resume from an older checkpoint, higher iteration numbers may be older."""
-    others = [d for d in os.listdir(out_dir) if d.startswith("ckpt-") and "." not in d and d != keep]
-    others.sort(key=lambda d: os.path.getmtime(os.path.join(out_dir, d, "manifest.json"))
-                if os.path.exists(os.path.join(out_dir, d, "manifest.json")) else 0.0)
+    """Keep checkpoint `keep` (just saved) and the count-1 others saved last."""
+    others = [d for d in _by_save_time(out_dir) if d != keep]
     for old in others[:max(0, len(others) - (count - 1))]:
         shutil.rmtree(os.path.join(out_dir, old))
 
@@ -134,16 +140,33 @@ def load_manifest(out_dir):
     """Rank 0 finds and verifies the latest checkpoint; every rank gets (path, manifest) or the error."""
     result = [None]
     if _rank() == 0:
+        path = None
         try:
             path = latest_path(out_dir)
             result[0] = (path, read_manifest(path))
         except CheckpointError as e:
-            result[0] = e
+            intact = _intact_other(out_dir, path)  # named, not taken: a silent fallback would hide the damage
+            result[0] = CheckpointError(f"{e}; {intact} is intact: write '{os.path.basename(intact)}' into "
+                                        f"{os.path.join(out_dir, 'latest')} to use it") if intact else e
     if dist.is_initialized():
         dist.broadcast_object_list(result, src=0)
     if isinstance(result[0], CheckpointError):
         raise result[0]
     return result[0]
+
+
+def _intact_other(out_dir, damaged):
+    """The checkpoint saved last in out_dir, other than `damaged`, that verifies; or None."""
+    if not os.path.isdir(out_dir):
+        return None
+    for name in reversed(_by_save_time(out_dir)):
+        path = os.path.join(out_dir, name)
+        try:
+            if path != damaged and read_manifest(path):
+                return path
+        except CheckpointError:
+            pass
+    return None
 
 
 def load(path, model, optimizer):

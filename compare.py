@@ -21,7 +21,8 @@ EVAL_KEYS = ("iter", "val_loss")
 
 
 def load_metrics(path):
-    """Read a run dir (or a metrics.jsonl path) -> (train_rows, eval_rows), each sorted by iter.
+    """Read a run dir (or a metrics.jsonl path) -> (train_rows, eval_rows), each sorted by iter,
+    one row per iter.
 
     Lines that are not JSON objects or lack the needed keys (e.g. {"event": ...}) are skipped.
     """
@@ -42,13 +43,11 @@ def load_metrics(path):
                 train.append(row)
             elif all(row.get(k) is not None for k in EVAL_KEYS):
                 evals.append(row)
-    train.sort(key=lambda r: r["iter"])
-    evals.sort(key=lambda r: r["iter"])
-    return train, evals
+    # a run resumed from an older checkpoint logs the iterations after it again: the later line wins
+    return tuple(sorted({r["iter"]: r for r in rows}.values(), key=lambda r: r["iter"]) for rows in (train, evals))
 
 
 def _by_iter(rows, key):
-    # a resumed run may log an iter twice; the later line wins
     return {r["iter"]: float(r[key]) for r in rows if r.get(key) is not None}
 
 

@@ -29,7 +29,7 @@ from model import GPT, GPTConfig, load_pretrained_gpt2
 # I/O
 out_dir = "out"
 eval_interval = 250
-eval_iters = 20  # batches per split in each evaluation; 0 skips evaluation
+eval_iters = 20  # batches per split in each evaluation; 0 skips it (and saves at every eval_interval)
 log_interval = 10
 always_save_checkpoint = True  # else only when the validation loss improves
 keep_checkpoints = 2  # complete checkpoints kept in out_dir; 0 saves none (bench.py's runs)
@@ -95,15 +95,23 @@ master = int(os.environ.get("RANK", 0)) == 0  # torchrun's rank, before the proc
 wandb_run = None
 
 
-def fail(msg):
-    """Bad input: one line naming the problem (from rank 0), non-zero exit, nothing overwritten."""
-    if master:
-        print(f"error: {msg}", file=sys.stderr, flush=True)
+def leave(code, msg=None):
+    """Print msg (from rank 0), close wandb and the process group, and exit with code."""
+    if master and msg:
+        print(msg, file=sys.stderr if code else sys.stdout, flush=True)
     if wandb_run is not None:
-        wandb_run.finish(exit_code=2)
+        wandb_run.finish(exit_code=code)  # (the exit below skips wandb's own teardown, which would flush the run)
     if dist.is_initialized():
         dist.destroy_process_group()
-    os._exit(2)
+    # FSDP2 on gloo can abort in interpreter teardown after a clean run; we are done, so leave now
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def fail(msg):
+    """Bad input: one line naming the problem (from rank 0), non-zero exit, nothing overwritten."""
+    leave(2, f"error: {msg}")
 
 
 if device.startswith("cuda") and not torch.cuda.is_available():
@@ -136,11 +144,14 @@ local_steps = gradient_accumulation_steps // world_size  # micro-batches on this
 tokens_per_iter = gradient_accumulation_steps * batch_size * block_size
 if master:
     print(f"{dist_backend} on {world_size} process(es); tokens per iteration: {tokens_per_iter:,}")
-try:
-    os.makedirs(out_dir, exist_ok=True)
-    if not os.access(out_dir, os.W_OK):
-        raise PermissionError
-except OSError:
+def creatable(path):
+    """Whether directory `path` exists writable, or its nearest existing ancestor can hold it."""
+    while not os.path.lexists(path):
+        path = os.path.dirname(os.path.abspath(path))
+    return os.path.isdir(path) and os.access(path, os.W_OK)
+
+
+if not creatable(out_dir):  # (created before the first write, so a refused run leaves nothing behind)
     fail(f"out_dir {out_dir} is not writable")
 device_type = "cuda" if device.startswith("cuda") else "cpu"
 if device_type == "cpu":
@@ -200,6 +211,9 @@ elif init_from == "resume":
     if data_vocab > model_args["vocab_size"]:
         fail(f"checkpoint {ckpt_path} has a vocabulary of {model_args['vocab_size']} tokens, smaller than "
              f"the {data_vocab} of the data in {data_dir}: resume on the dataset it was trained on")
+    if manifest["iter_num"] >= max_iters:  # a finished run (also after a late restart): not an error
+        leave(0, f"checkpoint {ckpt_path} is at iteration {manifest['iter_num']} and max_iters={max_iters}: "
+                 "nothing to train (raise --max_iters to continue)")
 elif init_from.startswith("gpt2"):
     gptconf, pretrained = load_pretrained_gpt2(init_from, dropout)
     model_args.update(n_layer=gptconf.n_layer, n_head=gptconf.n_head, n_embd=gptconf.n_embd,
@@ -290,6 +304,7 @@ if device_type == "cuda":
     name = torch.cuda.get_device_name()
     peak_flops = next((f for k, f in (("A100", 312e12), ("H100", 989e12), ("H200", 989e12)) if k in name), None)
 
+os.makedirs(out_dir, exist_ok=True)
 metrics_path = os.path.join(out_dir, "metrics.jsonl")
 metrics = open(metrics_path, "a" if init_from == "resume" else "w") if master else None
 
@@ -321,7 +336,8 @@ while True:
         improved = losses is not None and losses["val"] < best_val_loss
         if improved:
             best_val_loss = losses["val"]
-        if keep_checkpoints and iter_num > start_iter and (improved or always_save_checkpoint):
+        # with no evaluation (eval_iters=0) there is no val loss to improve: save at every eval_interval
+        if keep_checkpoints and iter_num > start_iter and (improved or always_save_checkpoint or losses is None):
             # a step with a finite loss can still leave weights that are, or that compute, nan or
             # inf (a huge learning rate): such a checkpoint would replace the good ones
             if not (losses is None or all(map(math.isfinite, losses.values()))) or not weights_finite(model):
@@ -418,11 +434,4 @@ if master:
         log_metrics(**row)
     log_metrics(event="comm_per_step", **comm.per_step())
     metrics.close()
-if wandb_run is not None:
-    wandb_run.finish()  # (the exit below skips wandb's own teardown, which would flush the run)
-if dist.is_initialized():
-    dist.destroy_process_group()
-# FSDP2 on gloo can abort in interpreter teardown after a clean run; we are done, so leave now
-sys.stdout.flush()
-sys.stderr.flush()
-os._exit(0)
+leave(0)

@@ -74,3 +74,20 @@ def test_missing_metrics_exits_1(tmp_path):
     lines = res.stderr.strip().splitlines()
     assert len(lines) == 1 and "metrics.jsonl" in lines[0]
     assert not (tmp_path / "x.png").exists()
+
+
+def test_a_resumed_run_counts_the_rows_that_replaced_the_earlier_ones(tmp_path):
+    """Resumed from its checkpoint at iter 10 after reaching iter 20, a run logs 10 and 20 again:
+    the later rows replace the earlier ones in the curves, the medians and the peaks."""
+    d = tmp_path / "resumed"
+    write_run(d, {0: 4.0, 10: 3.5, 20: 3.0}, {0: 4.1, 10: 3.6},
+              tps={0: 100.0, 10: 900.0, 20: 900.0}, mem={0: 50.0, 10: 999.0, 20: 999.0})
+    with open(d / "metrics.jsonl", "a") as f:  # the resumed run's lines, appended
+        f.write(json.dumps({"iter": 10, "train_loss": 3.7, "val_loss": 3.65}) + "\n")
+        for i, loss in ((10, 3.4), (20, 2.9)):
+            f.write(json.dumps({"iter": i, "loss": loss, "tokens_per_sec": 100.0, "peak_mem_mb": 60.0}) + "\n")
+    train, evals = compare.load_metrics(d)
+    assert [(r["iter"], r["loss"]) for r in train] == [(0, 4.0), (10, 3.4), (20, 2.9)]
+    assert [(r["iter"], r["val_loss"]) for r in evals] == [(0, 4.1), (10, 3.65)]
+    s = compare.summarize([("resumed", train, evals)])[0]
+    assert s["median_tokens_per_sec"] == 100.0 and s["peak_mem_mb"] == 60.0 and s["final_train_loss"] == 2.9

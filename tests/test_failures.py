@@ -259,6 +259,15 @@ def test_resume_rejects_a_newer_format_version(args, saved, tmp_path):
     assert "format version 99" in one_error_line(run_train(out, 1, *args, "--dist_backend=ddp", "--init_from=resume"))
 
 
+def test_resume_of_a_finished_run_says_there_is_nothing_to_train(args, saved):
+    """max_iters at the checkpoint's iteration: one line and a clean exit (a late torchrun restart
+    lands here too), with nothing evaluated, logged or saved."""
+    before = {p.relative_to(saved): p.read_bytes() for p in saved.rglob("*") if p.is_file()}
+    res = run_train(saved, 2, *args, "--dist_backend=custom_fsdp", "--init_from=resume", "--max_iters=4")
+    assert res.returncode == 0 and "nothing to train (raise --max_iters to continue)" in res.stdout, res.describe()
+    assert {p.relative_to(saved): p.read_bytes() for p in saved.rglob("*") if p.is_file()} == before
+
+
 def test_resume_with_a_world_size_that_does_not_divide_accumulation(args, saved):
     line = one_error_line(run_train(saved, 3, *args, "--dist_backend=custom_fsdp", "--init_from=resume"))
     assert "not divisible by the world size 3" in line

@@ -358,6 +358,7 @@ def test_accumulation_not_divisible_by_world_size(tiny_args, tmp_path):
 def test_resume_without_checkpoint(tiny_args, tmp_path):
     res = run_train(tmp_path / "o", None, *tiny_args, "--max_iters=1", "--init_from=resume")
     assert_one_error(res, "checkpoint")
+    assert not (tmp_path / "o").exists(), "a refused run left an out_dir behind"
 
 
 def test_unknown_config_key_on_command_line(tiny_args, tmp_path):
@@ -373,9 +374,11 @@ def test_unknown_config_key_in_file(tiny_args, tmp_path):
 
 
 def test_eval_iters_zero_skips_evaluation(tiny_args, tmp_path):
-    """eval_iters=0: no evaluation rows (it used to log a NaN validation loss), and the final
-    checkpoint is still saved, since always_save_checkpoint is on by default."""
-    res = run_train(tmp_path / "o", None, *tiny_args, "--max_iters=2", "--eval_iters=0")
+    """eval_iters=0: no evaluation rows (it used to log a NaN validation loss), and checkpoints
+    are saved at every eval_interval even with always_save_checkpoint off: with no validation
+    loss, none could count as improved, and the run used to save nothing."""
+    res = run_train(tmp_path / "o", None, *tiny_args, "--max_iters=2", "--eval_iters=0", "--eval_interval=1",
+                    "--always_save_checkpoint=False")
     assert res.returncode == 0, res.describe()
 
     def no_nan(name):
@@ -383,7 +386,7 @@ def test_eval_iters_zero_skips_evaluation(tiny_args, tmp_path):
     with open(tmp_path / "o" / "metrics.jsonl") as f:
         rows = [json.loads(line, parse_constant=no_nan) for line in f]
     assert not any("val_loss" in r for r in rows) and sum("loss" in r for r in rows) == 2
-    assert list((tmp_path / "o").glob("ckpt-0000002"))
+    assert sorted(p.name for p in (tmp_path / "o").glob("ckpt-*")) == ["ckpt-0000001", "ckpt-0000002"]
 
 
 @pytest.mark.parametrize("key", ["keep_checkpoints", "eval_iters"])
@@ -417,6 +420,22 @@ def test_damaged_checkpoint_is_refused_and_untouched(damage, nproc, runs_b, tiny
     line = assert_one_error(res, victim.name)
     assert "corrupt" in line.lower() or "truncat" in line.lower(), line
     assert snapshot(out) == before, "a refused resume changed files in out_dir"
+
+
+def test_damaged_latest_names_the_intact_checkpoint_before_it(runs_b, tiny_args, tmp_path):
+    """The error names the previous checkpoint (saved at 4) instead of taking it silently, and
+    writing its name into `latest` resumes from it."""
+    out = tmp_path / "out"
+    shutil.copytree(runs_b["custom_fsdp"], out)  # (copy2 keeps the manifests' times, which order them)
+    victim = sorted((out / "ckpt-0000008").glob("*.distcp"))[0]
+    victim.write_bytes(victim.read_bytes()[:-16])
+    resume = [*tiny_args, *CONFIG_B[:2], "--max_iters=12", "--eval_interval=4", "--dist_backend=custom_fsdp",
+              "--init_from=resume"]
+    line = assert_one_error(run_train(out, None, *resume), "ckpt-0000008", "corrupt")
+    assert f"{out / 'ckpt-0000004'} is intact" in line and str(out / "latest") in line, line
+    (out / "latest").write_text("ckpt-0000004")
+    res = run_train(out, None, *resume)
+    assert res.returncode == 0 and "resumed from" in res.stdout and "ckpt-0000004" in res.stdout, res.describe()
 
 
 @pytest.fixture(scope="module")
