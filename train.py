@@ -114,6 +114,13 @@ def fail(msg):
     leave(2, f"error: {msg}")
 
 
+def creatable(path):
+    """Whether directory `path` exists writable, or its nearest existing ancestor can hold it."""
+    while not os.path.lexists(path):
+        path = os.path.dirname(os.path.abspath(path))
+    return os.path.isdir(path) and os.access(path, os.W_OK)
+
+
 if device.startswith("cuda") and not torch.cuda.is_available():
     fail(f"device={device} but this torch has no CUDA device (use --device=cpu)")
 # distributed setup: torchrun sets RANK/WORLD_SIZE; a plain `python train.py` is one process
@@ -144,13 +151,6 @@ local_steps = gradient_accumulation_steps // world_size  # micro-batches on this
 tokens_per_iter = gradient_accumulation_steps * batch_size * block_size
 if master:
     print(f"{dist_backend} on {world_size} process(es); tokens per iteration: {tokens_per_iter:,}")
-def creatable(path):
-    """Whether directory `path` exists writable, or its nearest existing ancestor can hold it."""
-    while not os.path.lexists(path):
-        path = os.path.dirname(os.path.abspath(path))
-    return os.path.isdir(path) and os.access(path, os.W_OK)
-
-
 if not creatable(out_dir):  # (created before the first write, so a refused run leaves nothing behind)
     fail(f"out_dir {out_dir} is not writable")
 device_type = "cuda" if device.startswith("cuda") else "cpu"
