@@ -9,16 +9,26 @@ strings). Every value, from a file or the command line, must have the type of th
 default (an int is taken where a float is expected; a bool is not an int). Unknown keys are an
 error too: a typo must never silently train the wrong model.
 """
+import json
 import os
 import sys
+import time
 import traceback
 import types
 from ast import literal_eval
 
 
+def report_error(msg):
+    """The one `error:` line of bad input; under torchrun also in its failure report, on every node."""
+    if os.environ.get("TORCHELASTIC_ERROR_FILE"):
+        with open(os.environ["TORCHELASTIC_ERROR_FILE"], "w") as f:
+            json.dump({"message": {"message": msg, "extraInfo": {"timestamp": str(int(time.time()))}}}, f)
+    if os.environ.get("RANK", "0") == "0":  # under torchrun every process meets the same error
+        print(f"error: {msg}", file=sys.stderr, flush=True)
+
+
 def fail(msg):
-    if os.environ.get("RANK", "0") == "0":  # under torchrun every process parses the same arguments
-        print(f"error: {msg}", file=sys.stderr)
+    report_error(msg)
     raise SystemExit(2)
 
 

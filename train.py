@@ -98,7 +98,7 @@ wandb_run = None
 def leave(code, msg=None):
     """Print msg (from rank 0), close wandb and the process group, and exit with code."""
     if master and msg:
-        print(msg, file=sys.stderr if code else sys.stdout, flush=True)
+        print(msg, flush=True)
     if wandb_run is not None:
         wandb_run.finish(exit_code=code)  # (the exit below skips wandb's own teardown, which would flush the run)
     if dist.is_initialized():
@@ -110,8 +110,9 @@ def leave(code, msg=None):
 
 
 def fail(msg):
-    """Bad input: one line naming the problem (from rank 0), non-zero exit, nothing overwritten."""
-    leave(2, f"error: {msg}")
+    """Bad input: one line naming the problem, non-zero exit, nothing overwritten."""
+    configurator.report_error(msg)
+    leave(2)
 
 
 def creatable(path):

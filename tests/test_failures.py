@@ -294,8 +294,13 @@ def test_resume_on_data_with_a_larger_vocabulary_is_refused(args, saved, char_da
 
 
 def test_a_bad_setting_under_torchrun_is_one_line(args, tmp_path):
-    """Every process parses the arguments; only the first says what is wrong."""
-    assert "unknown config key 'no_such_key'" in one_error_line(run_train(tmp_path, 2, *args, "--no_such_key=1"))
+    """Every process parses the arguments; only the first prints what is wrong, and torchrun's
+    failure report names it for every process (on another node it is the only place it shows)."""
+    for bad, named in (("--no_such_key=1", "unknown config key 'no_such_key'"),  # configurator.py
+                       ("--dist_backend=foo", "unknown dist_backend 'foo'")):  # train.py
+        res = run_train(tmp_path, 2, *args, bad)
+        assert named in one_error_line(res)
+        assert res.stderr.count(f"traceback : {named}") == 2, res.describe()
 
 
 def test_resume_takes_this_runs_optimizer_settings(args, saved, tmp_path):
