@@ -16,6 +16,7 @@ import os
 import shutil
 import signal
 import sys
+import warnings
 import zlib
 
 import torch
@@ -25,6 +26,8 @@ from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_o
                                                      set_model_state_dict, set_optimizer_state_dict)
 
 FORMAT_VERSION = 1
+# DCP warns at every save and load without a process group; one process is a supported use here
+warnings.filterwarnings("ignore", "torch.distributed is disabled, unavailable or uninitialized")
 
 
 class CheckpointError(RuntimeError):
