@@ -182,22 +182,28 @@ class GPT(nn.Module):
         return idx
 
 
+GPT2_MODELS = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
+
+
 def load_pretrained_gpt2(model_type, dropout=0.0):
-    """OpenAI's GPT-2 weights through Hugging Face transformers: (GPTConfig, full state dict)."""
+    """OpenAI's GPT-2 weights through Hugging Face transformers (offline: from its cache, with
+    HF_HUB_OFFLINE=1) -> (GPTConfig, full state dict). Raises ValueError, ImportError or OSError."""
+    if model_type not in GPT2_MODELS:
+        raise ValueError(f"unknown (choose scratch, resume, {', '.join(GPT2_MODELS)})")
     try:
         from transformers import GPT2LMHeadModel
     except ImportError:
-        raise SystemExit(f"error: init_from={model_type} needs the 'transformers' package")
-    shapes = {"gpt2": (12, 12, 768), "gpt2-medium": (24, 16, 1024),
-              "gpt2-large": (36, 20, 1280), "gpt2-xl": (48, 25, 1600)}
-    if model_type not in shapes:
-        raise SystemExit(f"error: unknown init_from={model_type!r} (choose {', '.join(shapes)})")
-    n_layer, n_head, n_embd = shapes[model_type]
-    config = GPTConfig(n_layer=n_layer, n_head=n_head, n_embd=n_embd, vocab_size=50257,
-                       block_size=1024, bias=True, dropout=dropout)
-    hf = GPT2LMHeadModel.from_pretrained(model_type).state_dict()
+        raise ImportError("needs Hugging Face's transformers: pip install transformers")
+    return from_hf_gpt2(GPT2LMHeadModel.from_pretrained(model_type), dropout)
+
+
+def from_hf_gpt2(hf, dropout=0.0):
+    """A transformers GPT2LMHeadModel -> (GPTConfig, state dict in this model's layout)."""
+    c = hf.config
+    config = GPTConfig(n_layer=c.n_layer, n_head=c.n_head, n_embd=c.n_embd, vocab_size=c.vocab_size,
+                       block_size=c.n_positions, bias=True, dropout=dropout)
     # OpenAI's checkpoints store these as Conv1D (in, out): transpose to Linear (out, in)
     transposed = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
-    sd = {k: (v.t() if k.endswith(transposed) else v) for k, v in hf.items()
-          if not k.endswith((".attn.masked_bias", ".attn.bias"))}
-    return config, sd
+    state = {k: (v.t() if k.endswith(transposed) else v) for k, v in hf.state_dict().items()
+             if not k.endswith((".attn.masked_bias", ".attn.bias"))}  # (causal masks, in older releases)
+    return config, state

@@ -66,9 +66,12 @@ if init_from == "resume":
     except checkpoint.CheckpointError as e:
         raise SystemExit(f"error: {e}")
 else:
-    config, state = load_pretrained_gpt2(init_from)
+    try:
+        config, state = load_pretrained_gpt2(init_from)
+    except (ValueError, ImportError, OSError) as e:  # (OSError: not downloadable, not in the cache)
+        raise SystemExit(f"error: init_from={init_from}: {str(e).strip().splitlines()[0]}")
     model = GPT(config)
-    model.load_state_dict(state, strict=False)
+    model.load_state_dict(state)
 model.eval().to(device)
 
 # the tokenizer: the dataset's own character table if it has one, else GPT-2's BPE

@@ -33,7 +33,7 @@ eval_iters = 20  # batches per split in each evaluation; 0 skips it (and saves a
 log_interval = 10
 always_save_checkpoint = True  # else only when the validation loss improves
 keep_checkpoints = 2  # complete checkpoints kept in out_dir; 0 saves none (bench.py's runs)
-init_from = "scratch"  # 'scratch', 'resume' (latest checkpoint in out_dir) or 'gpt2*'
+init_from = "scratch"  # 'scratch', 'resume' (latest checkpoint in out_dir), or OpenAI's 'gpt2' (-medium, -large, -xl)
 # wandb logging
 wandb_log = False
 wandb_project = "fsdp-gpt"
@@ -184,12 +184,12 @@ iter_num, best_val_loss = 0, 1e9
 model_args = dict(n_layer=n_layer, n_head=n_head, n_embd=n_embd, block_size=block_size, bias=bias,
                   vocab_size=None, dropout=dropout, activation_checkpointing=activation_checkpointing)
 pretrained = None
-if init_from == "scratch" and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0 \
+if init_from != "resume" and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0 \
         and os.path.exists(os.path.join(out_dir, "latest")):
     init_from = "resume"  # torchrun restarted us after a failure: continue from the last checkpoint
     if master:
         print(f"restart {os.environ['TORCHELASTIC_RESTART_COUNT']}: resuming from the last checkpoint")
-if init_from == "scratch" and keep_checkpoints and os.path.exists(os.path.join(out_dir, "latest")):
+if init_from != "resume" and keep_checkpoints and os.path.exists(os.path.join(out_dir, "latest")):
     fail(f"{out_dir} holds another run's checkpoints: continue it with --init_from=resume, or choose "
          "another out_dir (a new run there would replace them)")
 data_vocab = 50257  # the data's token ids are below this: GPT-2's BPE, unless meta.pkl says otherwise
@@ -215,12 +215,19 @@ elif init_from == "resume":
     if manifest["iter_num"] >= max_iters:  # a finished run (also after a late restart): not an error
         leave(0, f"checkpoint {ckpt_path} is at iteration {manifest['iter_num']} and max_iters={max_iters}: "
                  "nothing to train (raise --max_iters to continue)")
-elif init_from.startswith("gpt2"):
-    gptconf, pretrained = load_pretrained_gpt2(init_from, dropout)
+else:  # OpenAI's GPT-2 weights (the loader refuses other names)
+    try:
+        gptconf, pretrained = load_pretrained_gpt2(init_from, dropout)
+    except (ValueError, ImportError, OSError) as e:  # (OSError: not downloadable, not in the cache)
+        fail(f"init_from={init_from}: {str(e).strip().splitlines()[0]}")
+    if block_size > gptconf.block_size:
+        fail(f"block_size={block_size} is larger than {init_from}'s {gptconf.block_size} positions")
+    if data_vocab > gptconf.vocab_size:
+        fail(f"{init_from} has a vocabulary of {gptconf.vocab_size} tokens, smaller than the {data_vocab} "
+             f"of the data in {data_dir}")
+    pretrained["transformer.wpe.weight"] = pretrained["transformer.wpe.weight"][:block_size]  # fewer positions
     model_args.update(n_layer=gptconf.n_layer, n_head=gptconf.n_head, n_embd=gptconf.n_embd,
                       vocab_size=gptconf.vocab_size, bias=True)
-else:
-    fail(f"unknown init_from '{init_from}' (choose scratch, resume or gpt2*)")
 
 
 def materialize(m):
@@ -241,9 +248,8 @@ comm = observe.CommCounter()  # collectives per training step, for bench.py
 obs = observe.Observer(out_dir, dist_backend, rank, device, profile, memory_snapshot)
 with torch.device("meta"):  # no memory yet: the backend shards first, then materializes
     model = GPT(GPTConfig(**model_args))
-if pretrained is not None and block_size < model.config.block_size:
-    fail(f"block_size={block_size} is smaller than the pretrained model's; crop it after loading")
 model = back.wrap(model, materialize)
+pretrained = None  # (every rank held the whole model's weights until its shards were copied out)
 gpt = back.unwrap(model)
 optimizer = gpt.configure_optimizers(weight_decay, learning_rate, (beta1, beta2))
 if init_from == "resume":

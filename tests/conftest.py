@@ -39,9 +39,9 @@ def subprocess_env():
     return env
 
 
-def launch(cmd, timeout, cwd=REPO):
-    """Run `cmd` in its own session; on timeout kill the whole process group (no orphans)."""
-    proc = subprocess.Popen([str(c) for c in cmd], cwd=cwd, env=subprocess_env(), stdout=subprocess.PIPE,
+def launch(cmd, timeout, cwd=REPO, env=None):
+    """Run `cmd` in its own session (with `env` added); on timeout kill the whole process group (no orphans)."""
+    proc = subprocess.Popen([str(c) for c in cmd], cwd=cwd, env={**subprocess_env(), **(env or {})}, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         out, err = proc.communicate(timeout=timeout)
@@ -66,10 +66,10 @@ def launcher(nproc):
     return base + ["--standalone", f"--nproc_per_node={nproc}"]
 
 
-def run_train(tmp_out, nproc, *args, timeout=300):
+def run_train(tmp_out, nproc, *args, timeout=300, env=None):
     """train.py with out_dir=tmp_out on the CPU; returns RunResult(returncode, stdout, stderr)."""
     cmd = launcher(nproc) + [REPO / "train.py", f"--out_dir={tmp_out}", "--device=cpu", *args]
-    return launch(cmd, timeout)
+    return launch(cmd, timeout, env=env)
 
 
 def one_error_line(res):

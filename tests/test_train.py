@@ -448,6 +448,7 @@ def exported(runs_b, tmp_path_factory):
     return out
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # (the in-process read)
 def test_checkpoint_export(exported):
     import torch
     from model import GPT, GPTConfig
@@ -469,8 +470,6 @@ def test_checkpoint_export(exported):
 
 
 def test_sample_loads_export(exported, tmp_path):
-    if not (REPO / "sample.py").exists():
-        pytest.skip("sample.py does not exist yet")
     only_pt = tmp_path / "only_pt"  # nothing but the export: no checkpoint directory to fall back on
     only_pt.mkdir()
     shutil.copy(exported / "ckpt.pt", only_pt / "ckpt.pt")
