@@ -129,6 +129,29 @@ def test_sigkill_mid_training_stops_the_job_and_resume_is_exact(args, unbroken, 
     assert all(resumed[i] == unbroken[i] for i in range(4, 12)), (resumed, unbroken, start_iter)
 
 
+def test_a_hung_rank_times_out_instead_of_hanging_the_job(args, tmp_path):
+    """A worker that stops answering (SIGSTOP: alive, silent): the other one's next collective
+    gives up after dist_timeout_s and the job ends, instead of waiting forever."""
+    cmd = launcher(2) + [REPO / "train.py", f"--out_dir={tmp_path}", "--device=cpu", *args,
+                         "--dist_backend=custom_fsdp", "--max_iters=1000000", "--dist_timeout_s=5"]
+    proc = start(cmd)
+    try:
+        wait_for_checkpoint(tmp_path, proc)
+        worker = children(proc.pid)[-1]
+        os.kill(worker, signal.SIGSTOP)
+        t0 = time.time()
+        code, _, err = finish(proc, 120)  # (torchrun kills the stopped worker after its grace period)
+        assert code != 0 and time.time() - t0 < 90, err[-4000:]
+        assert "Timed out" in err, err[-4000:]
+    finally:
+        for pid in [proc.pid, *children(proc.pid)]:  # on a failed assert: leave nothing stopped behind
+            try:
+                os.kill(pid, signal.SIGCONT)
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
 def test_sigkill_mid_save_keeps_the_previous_checkpoint(args, unbroken, tmp_path):
     """Rank 0 (which commits) dies after the shards of iteration 8 are written, before the commit."""
     res = run_train(tmp_path, 2, *args, "--dist_backend=custom_fsdp", "--max_iters=4")
