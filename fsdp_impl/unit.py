@@ -398,6 +398,8 @@ class ShardedUnit:
             return
         with_grad = [ps for ps in self.params if ps.unsharded.grad is not None or ps.accumulated_grad is not None]
         grads = [ps.take_unsharded_grad() for ps in with_grad]
+        if len({g.dtype for g in grads}) > 1:  # float32 sums beside first grads that came in bf16 now
+            grads = [g.to(self.reduce_dtype) for g in grads]
         if self.reshard_after_backward:
             self.reshard()
         if grads:

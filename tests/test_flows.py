@@ -8,7 +8,8 @@ backward), a no_grad forward of one block between backward and the optimizer ste
 prefetch, and with explicit forward-prefetch lists as train.py sets them), reentrant
 activation checkpointing, requires_grad_() changes during training, load_state_dict(assign=True)
 (materialized and meta models), a grouped unit whose last module is skipped, a block returning a
-dataclass, and recovery with reset_iter_state() after an exception in backward. A last check
+dataclass, recovery with reset_iter_state() after an exception in backward, and under bf16 a
+parameter whose first gradient comes in the synchronizing micro-step of an accumulation. A last check
 runs a block before the root's first forward, which FSDP2 rejects with a RuntimeError.
 
 The reference is FSDP2, except in two flows where FSDP2 (torch 2.13) computes something else than
@@ -35,7 +36,7 @@ FLOWS = ["retain_graph", "autograd_grad_then_backward", "partial_no_grad_forward
          "load_state_dict_assign", "load_state_dict_assign_meta", "grouped_unit_last_module_skipped",
          "dataclass_output", "reset_after_exception_in_backward", "unit_skipped_in_the_sync_micro_step",
          "optimizer_step_in_backward", "reentrant_checkpoint_two_forwards", "mixed_precision_dataclass_io",
-         "forward_pre_hook_registered_before_fully_shard"]
+         "forward_pre_hook_registered_before_fully_shard", "bf16_first_grad_in_the_sync_micro_step"]
 
 
 @pytest.fixture(scope="module")
