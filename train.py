@@ -31,6 +31,7 @@ out_dir = "out"
 eval_interval = 250
 eval_iters = 20  # batches per split in each evaluation; 0 skips it (and saves at every eval_interval)
 log_interval = 10
+eval_only = False  # evaluate the model as loaded (scratch, resume or gpt2) once, and exit
 always_save_checkpoint = True  # else only when the validation loss improves
 keep_checkpoints = 2  # complete checkpoints kept in out_dir; 0 saves none (bench.py's runs)
 init_from = "scratch"  # 'scratch', 'resume' (latest checkpoint in out_dir), or OpenAI's 'gpt2' (-medium, -large, -xl)
@@ -137,6 +138,8 @@ if keep_checkpoints < 0:
     fail(f"keep_checkpoints={keep_checkpoints} is negative (0 saves no checkpoints)")
 if eval_iters < 0:
     fail(f"eval_iters={eval_iters} is negative (0 skips evaluation)")
+if eval_only and not eval_iters:
+    fail("eval_only=True needs eval_iters > 0")
 for name in ("batch_size", "block_size", "gradient_accumulation_steps", "eval_interval", "log_interval",
              "n_layer", "n_head"):
     if globals()[name] < 1:
@@ -212,7 +215,7 @@ elif init_from == "resume":
     if data_vocab > model_args["vocab_size"]:
         fail(f"checkpoint {ckpt_path} has a vocabulary of {model_args['vocab_size']} tokens, smaller than "
              f"the {data_vocab} of the data in {data_dir}: resume on the dataset it was trained on")
-    if manifest["iter_num"] >= max_iters:  # a finished run (also after a late restart): not an error
+    if manifest["iter_num"] >= max_iters and not eval_only:  # a finished run (also after a late restart)
         leave(0, f"checkpoint {ckpt_path} is at iteration {manifest['iter_num']} and max_iters={max_iters}: "
                  "nothing to train (raise --max_iters to continue)")
 else:  # OpenAI's GPT-2 weights (the loader refuses other names)
@@ -333,7 +336,7 @@ while True:
     lr = get_lr(iter_num)
     for group in optimizer.param_groups:
         group["lr"] = lr
-    if iter_num % eval_interval == 0 or iter_num == max_iters:
+    if iter_num % eval_interval == 0 or iter_num == max_iters or eval_only:
         losses = estimate_loss() if eval_iters else None  # eval_iters=0: no evaluation
         if master and losses:
             print(f"step {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
@@ -355,7 +358,7 @@ while True:
                 dist_backend=dist_backend, world_size=world_size, loss_scale=back.loss_scale_state()))
             if master:
                 print(f"saved checkpoint at iteration {iter_num} to {out_dir}")
-    if iter_num >= max_iters:
+    if iter_num >= max_iters or eval_only:
         break
     t0 = time.time()  # the step's time: not the evaluation and checkpoint above, which are not training
 

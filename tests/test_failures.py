@@ -250,8 +250,10 @@ def test_pruning_keeps_the_checkpoints_saved_last(tmp_path):
     (["--n_head=3"], "n_embd=32 is not divisible by n_head=3"),
     (["--device=cuda"], "no CUDA device"),
     (["--warmup_iters=10", "--lr_decay_iters=10"], "needs warmup_iters < lr_decay_iters"),
-    (["--min_lr=1.0"], "min_lr <= learning_rate")],
-    ids=["accumulation", "eval_interval", "heads", "cuda", "decay_before_warmup_ends", "min_lr_above_peak"])
+    (["--min_lr=1.0"], "min_lr <= learning_rate"),
+    (["--eval_only=True", "--eval_iters=0"], "eval_only=True needs eval_iters > 0")],
+    ids=["accumulation", "eval_interval", "heads", "cuda", "decay_before_warmup_ends", "min_lr_above_peak",
+         "eval_only_without_batches"])
 def test_impossible_settings_are_refused(args, tmp_path, setting, named):
     if "cuda" in setting[0] and __import__("torch").cuda.is_available():
         pytest.skip("this machine has CUDA")

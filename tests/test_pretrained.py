@@ -94,3 +94,10 @@ def test_a_new_run_from_gpt2_refuses_an_out_dir_with_checkpoints(hf_cache, char_
     args = [f"--data_dir={char_data}", *TINY, "--init_from=gpt2", "--max_iters=1", "--eval_interval=1"]
     assert run_train(tmp_path, None, *args, env=hf_cache).returncode == 0
     assert "holds another run's checkpoints" in one_error_line(run_train(tmp_path, None, *args, env=hf_cache))
+
+
+def test_eval_only_evaluates_gpt2_and_trains_nothing(hf_cache, char_data, tmp_path):
+    res = run_train(tmp_path, None, f"--data_dir={char_data}", *TINY, "--init_from=gpt2", "--eval_only=True",
+                    env=hf_cache)
+    assert res.returncode == 0 and "step 0: train loss" in res.stdout, res.describe()
+    assert not list(tmp_path.glob("ckpt-*")) and "iter 0:" not in res.stdout

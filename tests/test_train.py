@@ -439,6 +439,20 @@ def test_damaged_latest_names_the_intact_checkpoint_before_it(runs_b, tiny_args,
     assert res.returncode == 0 and "resumed from" in res.stdout and "ckpt-0000004" in res.stdout, res.describe()
 
 
+def test_eval_only_evaluates_the_checkpoint_as_the_run_did(runs_b, tiny_args, tmp_path):
+    """eval_only on the W=2 run's final checkpoint: the validation loss that run logged at that
+    iteration, bitwise (same backend and world size), and nothing trained or saved."""
+    out = clone_checkpoint(runs_b["custom_fsdp"], 8, tmp_path / "out")
+    before = snapshot(out)
+    res = run_train(out, 2, *tiny_args, *CONFIG_B, "--dist_backend=custom_fsdp", "--init_from=resume",
+                    "--eval_only=True")
+    assert res.returncode == 0, res.describe()
+    train_rows, eval_rows = load_metrics(out)
+    logged = {r["iter"]: r["val_loss"] for r in load_metrics(runs_b["custom_fsdp"])[1]}
+    assert not train_rows and [(r["iter"], r["val_loss"]) for r in eval_rows] == [(8, logged[8])]
+    assert {k: v for k, v in snapshot(out).items() if k != "metrics.jsonl"} == before
+
+
 @pytest.fixture(scope="module")
 def exported(runs_b, tmp_path_factory):
     """`python checkpoint.py OUT_DIR` on a copy of the fsdp W=2 run's final checkpoint."""
