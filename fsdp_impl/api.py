@@ -120,6 +120,8 @@ def _pre_forward(module, args, kwargs):
 
 def _post_forward(module, args, output):
     unit = module._fsdp_unit
+    if unit.mp.output_dtype is not None:  # every module's output, in a grouped unit too (as FSDP2)
+        output = _cast(output, unit.mp.output_dtype)
     if module is not unit.modules[-1]:
         return output  # a grouped unit ends with its last module...
     ending = [unit]
@@ -128,8 +130,6 @@ def _post_forward(module, args, output):
     grad_enabled = torch.is_grad_enabled()
     for u in ending:
         u.post_forward(grad_enabled)
-    if unit.mp.output_dtype is not None:
-        output = _cast(output, unit.mp.output_dtype)
     if grad_enabled:
         _map_tensors(lambda t: _hook_pre_backward(t, ending), output)
     return output

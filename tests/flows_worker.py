@@ -41,8 +41,7 @@ def leave_unsharded(module, mesh):
 
 
 SHARD = {"fsdp2": fsdp2_fully_shard, "ours": our_fully_shard, "plain": leave_unsharded}
-BF16 = {"fsdp2": FSDP2MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
-        "ours": OurMixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)}
+BF16 = {"fsdp2": FSDP2MixedPrecision, "ours": OurMixedPrecision}  # param_dtype bf16, reduce_dtype float32
 D, STEPS, LR = 8, 3, 1e-2
 
 
@@ -85,13 +84,14 @@ class Net(nn.Module):
             y = checkpoint(block, x, use_reentrant=True) if self.reentrant else block(x)
             y = y.h if isinstance(y, Out) else y
             x = x + 0 * (y - x) if i in self.mute else y
-        return self.out(x).sum()
+        return self.out(x.to(self.out.weight.dtype)).sum()  # (a no-op but under a block's output_dtype)
 
     def reset_iter_state(self):
         """The plain model keeps no state within a step (FSDP's class overrides this)."""
 
 
-def build(impl, mesh, seed=0, meta=False, grouped=False, frozen=(), bf16=False, before_sharding=None, **net_kw):
+def build(impl, mesh, seed=0, meta=False, grouped=False, frozen=(), bf16=False, output_dtype=None,
+          before_sharding=None, **net_kw):
     """Every block its own unit (grouped: blocks.0 alone, blocks.1 and .2 as one unit), then the
     root. reshard_after_forward is left at its default: True for the blocks in both."""
     torch.manual_seed(seed)
@@ -103,7 +103,9 @@ def build(impl, mesh, seed=0, meta=False, grouped=False, frozen=(), bf16=False, 
         before_sharding(model)
     units = [model.blocks[0], [model.blocks[1], model.blocks[2]]] if grouped else list(model.blocks)
     for unit in units + [model]:
-        SHARD[impl](unit, mesh=mesh, **({"mp_policy": BF16[impl]} if bf16 and impl != "plain" else {}))
+        mp = BF16[impl](param_dtype=torch.bfloat16, reduce_dtype=torch.float32, output_dtype=output_dtype) \
+            if bf16 and impl != "plain" else None
+        SHARD[impl](unit, mesh=mesh, **({"mp_policy": mp} if mp else {}))
     return model
 
 
@@ -336,6 +338,17 @@ def non_root_forward_first(impl, mesh):
     return rec
 
 
+def grouped_unit_output_dtypes(impl, mesh):
+    """The dtype of each block's output under output_dtype=float32 (bf16 parameters), with blocks.1
+    and blocks.2 in one unit: FSDP2 casts every module's output, not only the unit's last."""
+    model = build(impl, mesh, grouped=True, bf16=True, output_dtype=torch.float32)
+    seen = {}
+    for i, block in enumerate(model.blocks):  # (registered after fully_shard's hook: sees its output)
+        block.register_forward_hook(lambda module, args, out, i=i: seen.__setitem__(f"blocks.{i}", str(out.dtype)))
+    model(data(0)).backward()
+    return seen
+
+
 # ---- comparison -------------------------------------------------------------------------------
 def diff(a, b):
     """(max |a - b| over the dicts' tensors, bitwise equal); inf where one is None or shapes differ."""
@@ -382,6 +395,7 @@ def main():
     dist.init_process_group("gloo")
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     result = {flow.__name__: compare(flow, mesh) for flow in FLOWS}
+    result["grouped_unit_output_dtypes"] = {impl: grouped_unit_output_dtypes(impl, mesh) for impl in ("fsdp2", "ours")}
     # The last flow can kill the process (fsdp_impl segfaulted there). The other flows' results are
     # written first, then again with this flow's record: after a crash the report lacks it (and the
     # exit code is nonzero), which the test reports as the crash, the other tests unaffected.

@@ -9,8 +9,9 @@ prefetch, and with explicit forward-prefetch lists as train.py sets them), reent
 activation checkpointing, requires_grad_() changes during training, load_state_dict(assign=True)
 (materialized and meta models), a grouped unit whose last module is skipped, a block returning a
 dataclass, recovery with reset_iter_state() after an exception in backward, and under bf16 a
-parameter whose first gradient comes in the synchronizing micro-step of an accumulation. A last check
-runs a block before the root's first forward, which FSDP2 rejects with a RuntimeError.
+parameter whose first gradient comes in the synchronizing micro-step of an accumulation. Two more
+checks: every module of a grouped unit returns its output in output_dtype, and a block run before
+the root's first forward is rejected with a RuntimeError, as FSDP2 does.
 
 The reference is FSDP2, except in two flows where FSDP2 (torch 2.13) computes something else than
 plain PyTorch: with explicit forward-prefetch lists it uses the probe's all-gather from before the
@@ -61,6 +62,12 @@ def test_flow_matches_reference(report, flow):
     tol = r["tolerance"]  # 0 (bitwise) but where the worker says why the summation order differs
     assert r["param_diff"] <= tol and (tol or r["param_bitwise"]), f"final parameters differ by up to {r['param_diff']}"
     assert r["grad_diff"] <= tol and (tol or r["grad_bitwise"]), f"the last step's grads differ by up to {r['grad_diff']}"
+
+
+def test_grouped_unit_casts_every_modules_output(report):
+    r = report["grouped_unit_output_dtypes"]
+    assert r["fsdp2"] == {f"blocks.{i}": "torch.float32" for i in range(3)}, r  # the reference behaviour
+    assert r["ours"] == r["fsdp2"], r
 
 
 def test_non_root_forward_first_raises(report):
