@@ -26,8 +26,14 @@ from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_o
                                                      set_model_state_dict, set_optimizer_state_dict)
 
 FORMAT_VERSION = 1
-# DCP warns at every save and load without a process group; one process is a supported use here
-warnings.filterwarnings("ignore", "torch.distributed is disabled, unavailable or uninitialized")
+
+
+def _dcp(op, state, path):
+    """dcp.save or dcp.load, without the warning DCP gives at each call from a single process
+    without a process group, a supported use here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "torch.distributed is disabled, unavailable or uninitialized")
+        op(state, checkpoint_id=path)
 
 
 class CheckpointError(RuntimeError):
@@ -73,7 +79,7 @@ def save(out_dir, model, optimizer, meta, keep=2):
         shutil.rmtree(tmp, ignore_errors=True)
     _barrier()
     state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
-    dcp.save(state, checkpoint_id=tmp)  # returns once every rank's shards and the metadata are written
+    _dcp(dcp.save, state, tmp)  # returns once every rank's shards and the metadata are written
     if os.environ.get("CHECKPOINT_TEST_CRASH") == str(_rank()):  # tests: die before the commit
         os.kill(os.getpid(), signal.SIGKILL)
     if _rank() == 0:
@@ -159,17 +165,18 @@ def load_manifest(out_dir):
 
 
 def _intact_other(out_dir, damaged):
-    """The checkpoint saved last in out_dir, other than `damaged`, that verifies; or None."""
-    if not os.path.isdir(out_dir):
+    """The checkpoint saved last in out_dir other than `damaged`, if it verifies; else None. (Only
+    that one: the other ranks wait while rank 0 reads it, as for the latest.)"""
+    others = [d for d in _by_save_time(out_dir) if os.path.join(out_dir, d) != damaged] \
+        if os.path.isdir(out_dir) else []
+    if not others:
         return None
-    for name in reversed(_by_save_time(out_dir)):
-        path = os.path.join(out_dir, name)
-        try:
-            if path != damaged and read_manifest(path):
-                return path
-        except CheckpointError:
-            pass
-    return None
+    path = os.path.join(out_dir, others[-1])
+    try:
+        read_manifest(path)
+    except CheckpointError:
+        return None
+    return path
 
 
 def load(path, model, optimizer):
@@ -178,7 +185,7 @@ def load(path, model, optimizer):
     counts) is the checkpoint's."""
     settings = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
     state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
-    dcp.load(state, checkpoint_id=path)
+    _dcp(dcp.load, state, path)
     set_model_state_dict(model, state["model"])
     set_optimizer_state_dict(model, optimizer, state["optim"])
     for group, mine in zip(optimizer.param_groups, settings):
@@ -188,7 +195,7 @@ def load(path, model, optimizer):
 def load_model_only(path, model):
     """Load just the model weights into a plain (unsharded, single-process) model."""
     state = {"model": get_model_state_dict(model)}
-    dcp.load(state, checkpoint_id=path)
+    _dcp(dcp.load, state, path)
     set_model_state_dict(model, state["model"])
 
 

@@ -21,8 +21,8 @@ EVAL_KEYS = ("iter", "val_loss")
 
 
 def load_metrics(path):
-    """Read a run dir (or a metrics.jsonl path) -> (train_rows, eval_rows), each sorted by iter,
-    one row per iter.
+    """Read a run dir (or a metrics.jsonl path) -> (train_rows, eval_rows), each in iter order, one
+    row per iter: after a resume, the resumed attempt's.
 
     Lines that are not JSON objects or lack the needed keys (e.g. {"event": ...}) are skipped.
     """
@@ -43,8 +43,18 @@ def load_metrics(path):
                 train.append(row)
             elif all(row.get(k) is not None for k in EVAL_KEYS):
                 evals.append(row)
-    # a run resumed from an older checkpoint logs the iterations after it again: the later line wins
-    return tuple(sorted({r["iter"]: r for r in rows}.values(), key=lambda r: r["iter"]) for rows in (train, evals))
+    return _as_resumed(train), _as_resumed(evals)
+
+
+def _as_resumed(rows):
+    """Rows in file order -> the run's history: a row whose iter is not past the one before it
+    starts a resumed attempt, which replaces everything logged from that iter on."""
+    history = []
+    for row in rows:
+        while history and history[-1]["iter"] >= row["iter"]:
+            history.pop()
+        history.append(row)
+    return history
 
 
 def _by_iter(rows, key):

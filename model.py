@@ -187,14 +187,17 @@ GPT2_MODELS = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
 
 def load_pretrained_gpt2(model_type, dropout=0.0):
     """OpenAI's GPT-2 weights through Hugging Face transformers (offline: from its cache, with
-    HF_HUB_OFFLINE=1) -> (GPTConfig, full state dict). Raises ValueError, ImportError or OSError."""
+    HF_HUB_OFFLINE=1) -> (GPTConfig, full state dict). Any failure is a one-line ValueError."""
     if model_type not in GPT2_MODELS:
-        raise ValueError(f"unknown (choose scratch, resume, {', '.join(GPT2_MODELS)})")
+        raise ValueError(f"'{model_type}' is not one of OpenAI's GPT-2 models ({', '.join(GPT2_MODELS)})")
     try:
         from transformers import GPT2LMHeadModel
+        hf = GPT2LMHeadModel.from_pretrained(model_type)
     except ImportError:
-        raise ImportError("needs Hugging Face's transformers: pip install transformers")
-    return from_hf_gpt2(GPT2LMHeadModel.from_pretrained(model_type), dropout)
+        raise ValueError("needs Hugging Face's transformers: pip install transformers") from None
+    except Exception as e:  # not downloadable, not in the cache offline, a damaged file
+        raise ValueError(f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}") from e
+    return from_hf_gpt2(hf, dropout)
 
 
 def from_hf_gpt2(hf, dropout=0.0):

@@ -16,7 +16,7 @@ import torch
 
 import checkpoint
 import configurator
-from model import GPT, GPTConfig, load_pretrained_gpt2
+from model import GPT, GPT2_MODELS, GPTConfig, load_pretrained_gpt2
 
 
 def load_newest(out_dir):
@@ -65,11 +65,13 @@ if init_from == "resume":
         model, data_config = load_newest(out_dir)
     except checkpoint.CheckpointError as e:
         raise SystemExit(f"error: {e}")
+elif init_from not in GPT2_MODELS:
+    raise SystemExit(f"error: unknown init_from '{init_from}' (choose resume, {', '.join(GPT2_MODELS)})")
 else:
     try:
         config, state = load_pretrained_gpt2(init_from)
-    except (ValueError, ImportError, OSError) as e:  # (OSError: not downloadable, not in the cache)
-        raise SystemExit(f"error: init_from={init_from}: {str(e).strip().splitlines()[0]}")
+    except ValueError as e:
+        raise SystemExit(f"error: init_from={init_from}: {e}")
     model = GPT(config)
     model.load_state_dict(state)
 model.eval().to(device)

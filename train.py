@@ -22,7 +22,7 @@ import checkpoint
 import configurator
 import observe
 from backends import BackendError, init_distributed, make_backend, set_malloc_mmap_threshold, trim_malloc_heap
-from model import GPT, GPTConfig, load_pretrained_gpt2
+from model import GPT, GPT2_MODELS, GPTConfig, load_pretrained_gpt2
 
 # -----------------------------------------------------------------------------
 # default config: a small char-level model on tiny Shakespeare
@@ -132,6 +132,8 @@ try:
     back = make_backend(dist_backend, config)
 except BackendError as e:
     fail(str(e))
+if init_from not in ("scratch", "resume", *GPT2_MODELS):
+    fail(f"unknown init_from '{init_from}' (choose scratch, resume, {', '.join(GPT2_MODELS)})")
 if on_nonfinite not in ("stop", "skip"):
     fail(f"unknown on_nonfinite '{on_nonfinite}' (choose stop or skip)")
 if keep_checkpoints < 0:
@@ -149,7 +151,7 @@ if n_embd % n_head:
 if decay_lr and not (warmup_iters < lr_decay_iters and min_lr <= learning_rate):
     fail(f"the learning-rate schedule needs warmup_iters < lr_decay_iters and min_lr <= learning_rate "
          f"(got {warmup_iters}, {lr_decay_iters}, {min_lr}, {learning_rate})")
-if gradient_accumulation_steps % world_size:
+if gradient_accumulation_steps % world_size and not eval_only:  # (eval_only trains nothing)
     fail(f"gradient_accumulation_steps={gradient_accumulation_steps} is not divisible by the world size {world_size}")
 local_steps = gradient_accumulation_steps // world_size  # micro-batches on this rank per step
 tokens_per_iter = gradient_accumulation_steps * batch_size * block_size
@@ -186,13 +188,13 @@ def get_batch(split, *key):
 iter_num, best_val_loss = 0, 1e9
 model_args = dict(n_layer=n_layer, n_head=n_head, n_embd=n_embd, block_size=block_size, bias=bias,
                   vocab_size=None, dropout=dropout, activation_checkpointing=activation_checkpointing)
-pretrained = None
+pretrained, pretrained_from = None, None  # the GPT-2 model a run started from sets its shape, not the config
 if init_from != "resume" and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0 \
         and os.path.exists(os.path.join(out_dir, "latest")):
     init_from = "resume"  # torchrun restarted us after a failure: continue from the last checkpoint
     if master:
         print(f"restart {os.environ['TORCHELASTIC_RESTART_COUNT']}: resuming from the last checkpoint")
-if init_from != "resume" and keep_checkpoints and os.path.exists(os.path.join(out_dir, "latest")):
+if init_from != "resume" and keep_checkpoints and not eval_only and os.path.exists(os.path.join(out_dir, "latest")):
     fail(f"{out_dir} holds another run's checkpoints: continue it with --init_from=resume, or choose "
          "another out_dir (a new run there would replace them)")
 data_vocab = 50257  # the data's token ids are below this: GPT-2's BPE, unless meta.pkl says otherwise
@@ -207,9 +209,13 @@ elif init_from == "resume":
         ckpt_path, manifest = checkpoint.load_manifest(out_dir)
     except checkpoint.CheckpointError as e:
         fail(str(e))
-    # the architecture must be the checkpoint's; dropout and checkpointing may change on resume
+    # the architecture must be the checkpoint's (for a run from GPT-2: GPT-2's, whatever the config
+    # says); dropout and checkpointing may change on resume
+    pretrained_from = manifest.get("pretrained_from")
     for k in ("n_layer", "n_head", "n_embd", "block_size", "bias"):
-        if manifest["model_args"][k] != model_args[k]:
+        if pretrained_from and k != "block_size":
+            model_args[k] = manifest["model_args"][k]
+        elif manifest["model_args"][k] != model_args[k]:
             fail(f"checkpoint {ckpt_path} has {k}={manifest['model_args'][k]} but this run asks {k}={model_args[k]}")
     model_args["vocab_size"] = manifest["model_args"]["vocab_size"]
     if data_vocab > model_args["vocab_size"]:
@@ -218,11 +224,12 @@ elif init_from == "resume":
     if manifest["iter_num"] >= max_iters and not eval_only:  # a finished run (also after a late restart)
         leave(0, f"checkpoint {ckpt_path} is at iteration {manifest['iter_num']} and max_iters={max_iters}: "
                  "nothing to train (raise --max_iters to continue)")
-else:  # OpenAI's GPT-2 weights (the loader refuses other names)
+else:  # OpenAI's GPT-2 weights
     try:
         gptconf, pretrained = load_pretrained_gpt2(init_from, dropout)
-    except (ValueError, ImportError, OSError) as e:  # (OSError: not downloadable, not in the cache)
-        fail(f"init_from={init_from}: {str(e).strip().splitlines()[0]}")
+    except ValueError as e:
+        fail(f"init_from={init_from}: {e}")
+    pretrained_from = init_from
     if block_size > gptconf.block_size:
         fail(f"block_size={block_size} is larger than {init_from}'s {gptconf.block_size} positions")
     if data_vocab > gptconf.vocab_size:
@@ -315,8 +322,9 @@ if device_type == "cuda":
     peak_flops = next((f for k, f in (("A100", 312e12), ("H100", 989e12), ("H200", 989e12)) if k in name), None)
 
 os.makedirs(out_dir, exist_ok=True)
-metrics_path = os.path.join(out_dir, "metrics.jsonl")
-metrics = open(metrics_path, "a" if init_from == "resume" else "w") if master else None
+# eval_only's rows go beside the training run's, not among them
+metrics_path = os.path.join(out_dir, "eval.jsonl" if eval_only else "metrics.jsonl")
+metrics = open(metrics_path, "a" if init_from == "resume" or eval_only else "w") if master else None
 
 
 def log_metrics(**row):
@@ -355,7 +363,8 @@ while True:
                      f"saved; the last checkpoint in {out_dir} is untouched")
             checkpoint.save(out_dir, model, optimizer, keep=keep_checkpoints, meta=dict(
                 iter_num=iter_num, best_val_loss=best_val_loss, model_args=model_args, config=config,
-                dist_backend=dist_backend, world_size=world_size, loss_scale=back.loss_scale_state()))
+                dist_backend=dist_backend, world_size=world_size, loss_scale=back.loss_scale_state(),
+                pretrained_from=pretrained_from))
             if master:
                 print(f"saved checkpoint at iteration {iter_num} to {out_dir}")
     if iter_num >= max_iters or eval_only:
@@ -442,6 +451,7 @@ if master:
     for row in memory_rows:
         print(f"memory {row['stage']}: " + ", ".join(f"{k} {v:.1f}" for k, v in row.items() if k.endswith("_mb")))
         log_metrics(**row)
-    log_metrics(event="comm_per_step", **comm.per_step())
+    if comm.steps:
+        log_metrics(event="comm_per_step", **comm.per_step())
     metrics.close()
 leave(0)

@@ -76,13 +76,14 @@ def test_missing_metrics_exits_1(tmp_path):
     assert not (tmp_path / "x.png").exists()
 
 
-def test_a_resumed_run_counts_the_rows_that_replaced_the_earlier_ones(tmp_path):
-    """Resumed from its checkpoint at iter 10 after reaching iter 20, a run logs 10 and 20 again:
-    the later rows replace the earlier ones in the curves, the medians and the peaks."""
+def test_a_resumed_run_counts_the_rows_of_its_last_attempt(tmp_path):
+    """Logged up to iter 30, then resumed from its checkpoint at 10 and stopped after 20: the
+    resumed rows replace the first attempt's from 10 on, and its row at 30 (never reached again)
+    is gone, in the curves, the medians and the peaks."""
     d = tmp_path / "resumed"
-    write_run(d, {0: 4.0, 10: 3.5, 20: 3.0}, {0: 4.1, 10: 3.6},
-              tps={0: 100.0, 10: 900.0, 20: 900.0}, mem={0: 50.0, 10: 999.0, 20: 999.0})
-    with open(d / "metrics.jsonl", "a") as f:  # the resumed run's lines, appended
+    write_run(d, {0: 4.0, 10: 3.5, 20: 3.0, 30: 2.5}, {0: 4.1, 10: 3.6, 30: 2.6},
+              tps={0: 100.0, 10: 900.0, 20: 900.0, 30: 900.0}, mem={0: 50.0, 10: 999.0, 20: 999.0, 30: 999.0})
+    with open(d / "metrics.jsonl", "a") as f:  # the resumed attempt's lines, appended
         f.write(json.dumps({"iter": 10, "train_loss": 3.7, "val_loss": 3.65}) + "\n")
         for i, loss in ((10, 3.4), (20, 2.9)):
             f.write(json.dumps({"iter": i, "loss": loss, "tokens_per_sec": 100.0, "peak_mem_mb": 60.0}) + "\n")

@@ -78,7 +78,7 @@ def test_sample_continues_a_prompt_with_the_pretrained_model(hf_cache):
 
 
 @pytest.mark.parametrize("setting,named", [("--block_size=128", "larger than gpt2's 64 positions"),
-                                           ("--init_from=gpt3", "init_from=gpt3: unknown")])
+                                           ("--init_from=gpt3", "unknown init_from 'gpt3' (choose scratch, resume, gpt2,")])
 def test_impossible_pretrained_settings_are_refused(setting, named, hf_cache, char_data, tmp_path):
     res = run_train(tmp_path / "o", None, f"--data_dir={char_data}", *TINY, "--init_from=gpt2", setting, env=hf_cache)
     assert named in one_error_line(res)
@@ -101,3 +101,21 @@ def test_eval_only_evaluates_gpt2_and_trains_nothing(hf_cache, char_data, tmp_pa
                     env=hf_cache)
     assert res.returncode == 0 and "step 0: train loss" in res.stdout, res.describe()
     assert not list(tmp_path.glob("ckpt-*")) and "iter 0:" not in res.stdout
+
+
+def test_a_run_from_gpt2_resumes_and_restarts_with_gpt2s_shape(hf_cache, char_data, tmp_path):
+    """The config's own shape (train.py's defaults here: 4 layers, 128 wide, no bias) is not the
+    tiny GPT-2's (2 layers, 32 wide, bias): the checkpoint says which model it is."""
+    args = [f"--data_dir={char_data}", "--block_size=32", "--batch_size=4", "--eval_iters=2", "--compile=False",
+            "--dtype=float32", "--eval_interval=2"]
+    assert run_train(tmp_path, None, *args, "--init_from=gpt2", "--max_iters=2", env=hf_cache).returncode == 0
+    restarted = run_train(tmp_path, None, *args, "--init_from=gpt2", "--max_iters=4",
+                          env={**hf_cache, "TORCHELASTIC_RESTART_COUNT": "1"})  # as torchrun restarts it
+    assert restarted.returncode == 0 and "resumed from" in restarted.stdout, restarted.describe()
+    resumed = run_train(tmp_path, None, *args, "--init_from=resume", "--max_iters=6", env=hf_cache)
+    assert resumed.returncode == 0 and (tmp_path / "ckpt-0000006").exists(), resumed.describe()
+
+
+def test_sample_names_its_choices_for_an_unknown_init_from():
+    res = launch([sys.executable, REPO / "sample.py", "--init_from=scratch", "--device=cpu"], timeout=120)
+    assert "unknown init_from 'scratch' (choose resume, gpt2," in one_error_line(res)

@@ -441,16 +441,19 @@ def test_damaged_latest_names_the_intact_checkpoint_before_it(runs_b, tiny_args,
 
 def test_eval_only_evaluates_the_checkpoint_as_the_run_did(runs_b, tiny_args, tmp_path):
     """eval_only on the W=2 run's final checkpoint: the validation loss that run logged at that
-    iteration, bitwise (same backend and world size), and nothing trained or saved."""
-    out = clone_checkpoint(runs_b["custom_fsdp"], 8, tmp_path / "out")
+    iteration, bitwise (same backend and world size), in eval.jsonl; nothing trained or saved, and
+    the run's metrics.jsonl untouched. It trains nothing, so the batch split need not divide."""
+    out = tmp_path / "out"
+    shutil.copytree(runs_b["custom_fsdp"], out)
     before = snapshot(out)
     res = run_train(out, 2, *tiny_args, *CONFIG_B, "--dist_backend=custom_fsdp", "--init_from=resume",
-                    "--eval_only=True")
+                    "--eval_only=True", "--gradient_accumulation_steps=3")
     assert res.returncode == 0, res.describe()
-    train_rows, eval_rows = load_metrics(out)
-    logged = {r["iter"]: r["val_loss"] for r in load_metrics(runs_b["custom_fsdp"])[1]}
-    assert not train_rows and [(r["iter"], r["val_loss"]) for r in eval_rows] == [(8, logged[8])]
-    assert {k: v for k, v in snapshot(out).items() if k != "metrics.jsonl"} == before
+    rows = [json.loads(line) for line in (out / "eval.jsonl").read_text().splitlines()]
+    logged = {r["iter"]: r["val_loss"] for r in load_metrics(out)[1]}
+    assert [(r["iter"], r["val_loss"]) for r in rows if "val_loss" in r] == [(8, logged[8])]
+    assert not any("loss" in r for r in rows)
+    assert {k: v for k, v in snapshot(out).items() if k != "eval.jsonl"} == before
 
 
 @pytest.fixture(scope="module")
