@@ -50,7 +50,6 @@ def test_converted_model_computes_what_transformers_computes():
     assert gpt.lm_head.weight is gpt.transformer.wte.weight
 
 
-@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # (the in-process read)
 @pytest.mark.parametrize("backend,nproc", [("ddp", None), ("fsdp", 2), ("custom_fsdp", 2)])
 def test_training_starts_from_the_pretrained_weights(backend, nproc, hf_cache, char_data, tmp_path):
     """With learning rate 0 the first checkpoint holds exactly the pretrained weights, assembled

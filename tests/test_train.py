@@ -465,7 +465,6 @@ def exported(runs_b, tmp_path_factory):
     return out
 
 
-@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # (the in-process read)
 def test_checkpoint_export(exported):
     import torch
     from model import GPT, GPTConfig
