@@ -91,8 +91,8 @@ if data_config and os.path.exists(meta_path):
 
     decode = lambda ids: "".join(itos[i] for i in ids)
 else:
-    import tiktoken
-    enc = tiktoken.get_encoding("gpt2")
+    from data.gpt2_bpe import gpt2_encoding
+    enc = gpt2_encoding()
     encode = lambda s: enc.encode(s, allowed_special={"<|endoftext|>"})
     decode = enc.decode
 

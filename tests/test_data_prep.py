@@ -68,3 +68,15 @@ def test_bpe_prepare(tmp_path, monkeypatch):
     head = enc.decode(train[:100].tolist())
     assert len(head) > 100 and text.startswith(head)
     assert enc.decode(val.tolist()) == text[int(len(text) * 0.9):]
+
+
+def test_bpe_prepare_without_the_bpe_files_is_one_line(tmp_path):
+    """Offline with no tiktoken cache (the network refused through a dead proxy): one line saying
+    what to set, not requests' traceback."""
+    env = {**os.environ, "TIKTOKEN_CACHE_DIR": str(tmp_path / "empty"), "HTTPS_PROXY": "http://127.0.0.1:9",
+           "HTTP_PROXY": "http://127.0.0.1:9"}
+    res = subprocess.run([sys.executable, str(REPO / "data" / "shakespeare" / "prepare.py"), "--input", str(INPUT),
+                          "--out_dir", str(tmp_path)], env=env, capture_output=True, text=True, timeout=300)
+    lines = res.stderr.strip().splitlines()
+    assert res.returncode != 0 and len(lines) == 1 and "set TIKTOKEN_CACHE_DIR" in lines[0], res.stderr
+    assert not (tmp_path / "train.bin").exists()

@@ -8,13 +8,15 @@ the output is ~17GB train.bin + ~8.5MB val.bin.
 """
 import argparse
 import os
+import sys
 
 import numpy as np
-import tiktoken
 from datasets import load_dataset
 from tqdm import tqdm
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))  # data/, for the helpers the prepare scripts share
+from gpt2_bpe import gpt2_encoding  # noqa: E402
 
 
 def main():
@@ -34,7 +36,7 @@ def main():
     split = ds["train"].train_test_split(test_size=args.val_frac, seed=args.seed, shuffle=True)
     split["val"] = split.pop("test")
 
-    enc = tiktoken.get_encoding("gpt2")
+    enc = gpt2_encoding()
 
     def tokenize(example):
         ids = enc.encode_ordinary(example["text"])

@@ -13,10 +13,10 @@ import os
 import sys
 
 import numpy as np
-import tiktoken
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))  # data/, for the reader both prepare scripts share
+sys.path.insert(0, os.path.dirname(HERE))  # data/, for the helpers the prepare scripts share
+from gpt2_bpe import gpt2_encoding  # noqa: E402
 from tinyshakespeare import read_text  # noqa: E402
 
 
@@ -31,7 +31,7 @@ def main():
     # split the text (not the tokens) 90/10, then tokenize each side on its own
     train_text, val_text = data[: int(n * 0.9)], data[int(n * 0.9):]
 
-    enc = tiktoken.get_encoding("gpt2")
+    enc = gpt2_encoding()
     # encode_ordinary: treat text like "<|endoftext|>" as plain text, never as a special token
     train_ids = np.array(enc.encode_ordinary(train_text), dtype=np.uint16)  # max id 50256 fits
     val_ids = np.array(enc.encode_ordinary(val_text), dtype=np.uint16)
