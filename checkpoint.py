@@ -111,14 +111,25 @@ def _prune(out_dir, keep, count):
         shutil.rmtree(os.path.join(out_dir, old))
 
 
+def holds_checkpoints(out_dir):
+    """Whether out_dir has a `latest` pointer or any checkpoint directory."""
+    return os.path.exists(os.path.join(out_dir, "latest")) or (os.path.isdir(out_dir) and bool(_by_save_time(out_dir)))
+
+
 def latest_path(out_dir):
     pointer = os.path.join(out_dir, "latest")
     if not os.path.exists(pointer):
         raise CheckpointError(f"no checkpoint in {out_dir} (no '{pointer}')")
     with open(pointer) as f:
-        path = os.path.join(out_dir, f.read().strip())
+        name = f.read().strip()
+    if not name:
+        raise CheckpointError(f"{pointer} is empty")
+    path = os.path.join(out_dir, name)
     # a crash while replacing a checkpoint of the same iteration leaves the previous one as .old
-    return path if os.path.exists(path) or not os.path.exists(path + ".old") else path + ".old"
+    path = path if os.path.exists(path) or not os.path.exists(path + ".old") else path + ".old"
+    if not os.path.isdir(path):
+        raise CheckpointError(f"{pointer} names {name}, which is not in {out_dir}")
+    return path
 
 
 def read_manifest(path, verify=True):

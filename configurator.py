@@ -25,6 +25,8 @@ def report_error(msg):
             json.dump({"message": {"message": msg, "extraInfo": {"timestamp": str(int(time.time()))}}}, f)
     if os.environ.get("RANK", "0") == "0":  # under torchrun every process meets the same error
         print(f"error: {msg}", file=sys.stderr, flush=True)
+    else:  # torchrun stops every process once one exits: let the first, which prints, get there first
+        time.sleep(2)
 
 
 def fail(msg):

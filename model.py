@@ -196,7 +196,9 @@ def load_pretrained_gpt2(model_type, dropout=0.0):
     except ImportError:
         raise ValueError("needs Hugging Face's transformers: pip install transformers") from None
     except Exception as e:  # not downloadable, not in the cache offline, a damaged file
-        raise ValueError(f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}") from e
+        offline = "; offline, transformers reads its cache (HF_HUB_OFFLINE=1, HF_HUB_CACHE names the folder)"
+        raise ValueError(f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"
+                         f"{offline if isinstance(e, OSError) else ''}") from e
     return from_hf_gpt2(hf, dropout)
 
 

@@ -194,7 +194,7 @@ if init_from != "resume" and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)
     init_from = "resume"  # torchrun restarted us after a failure: continue from the last checkpoint
     if master:
         print(f"restart {os.environ['TORCHELASTIC_RESTART_COUNT']}: resuming from the last checkpoint")
-if init_from != "resume" and keep_checkpoints and not eval_only and os.path.exists(os.path.join(out_dir, "latest")):
+if init_from != "resume" and keep_checkpoints and not eval_only and checkpoint.holds_checkpoints(out_dir):
     fail(f"{out_dir} holds another run's checkpoints: continue it with --init_from=resume, or choose "
          "another out_dir (a new run there would replace them)")
 data_vocab = 50257  # the data's token ids are below this: GPT-2's BPE, unless meta.pkl says otherwise
@@ -230,6 +230,9 @@ else:  # OpenAI's GPT-2 weights
     except ValueError as e:
         fail(f"init_from={init_from}: {e}")
     pretrained_from = init_from
+    if master and (n_layer, n_head, n_embd, bias) != (gptconf.n_layer, gptconf.n_head, gptconf.n_embd, True):
+        print(f"{init_from} has {gptconf.n_layer} layers, {gptconf.n_head} heads, {gptconf.n_embd} wide, with "
+              f"biases: this run's n_layer, n_head, n_embd and bias do not apply")
     if block_size > gptconf.block_size:
         fail(f"block_size={block_size} is larger than {init_from}'s {gptconf.block_size} positions")
     if data_vocab > gptconf.vocab_size:

@@ -85,7 +85,8 @@ def test_impossible_pretrained_settings_are_refused(setting, named, hf_cache, ch
 
 def test_a_model_not_in_the_cache_offline_is_one_line(hf_cache, char_data, tmp_path):
     res = run_train(tmp_path / "o", None, f"--data_dir={char_data}", *TINY, "--init_from=gpt2-medium", env=hf_cache)
-    assert one_error_line(res).startswith("error: init_from=gpt2-medium: ")
+    line = one_error_line(res)
+    assert line.startswith("error: init_from=gpt2-medium: ") and "HF_HUB_OFFLINE=1" in line, line
 
 
 def test_a_new_run_from_gpt2_refuses_an_out_dir_with_checkpoints(hf_cache, char_data, tmp_path):
@@ -107,7 +108,10 @@ def test_a_run_from_gpt2_resumes_and_restarts_with_gpt2s_shape(hf_cache, char_da
     tiny GPT-2's (2 layers, 32 wide, bias): the checkpoint says which model it is."""
     args = [f"--data_dir={char_data}", "--block_size=32", "--batch_size=4", "--eval_iters=2", "--compile=False",
             "--dtype=float32", "--eval_interval=2"]
-    assert run_train(tmp_path, None, *args, "--init_from=gpt2", "--max_iters=2", env=hf_cache).returncode == 0
+    first = run_train(tmp_path, None, *args, "--init_from=gpt2", "--max_iters=2", env=hf_cache)
+    assert first.returncode == 0, first.describe()
+    assert "2 layers, 2 heads, 32 wide, with biases: this run's n_layer, n_head, n_embd and bias do not apply" \
+        in first.stdout, first.describe()
     restarted = run_train(tmp_path, None, *args, "--init_from=gpt2", "--max_iters=4",
                           env={**hf_cache, "TORCHELASTIC_RESTART_COUNT": "1"})  # as torchrun restarts it
     assert restarted.returncode == 0 and "resumed from" in restarted.stdout, restarted.describe()

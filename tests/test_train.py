@@ -456,6 +456,16 @@ def test_eval_only_evaluates_the_checkpoint_as_the_run_did(runs_b, tiny_args, tm
     assert {k: v for k, v in snapshot(out).items() if k != "eval.jsonl"} == before
 
 
+@pytest.mark.parametrize("pointer,named", [("ckpt-0000099", "names ckpt-0000099, which is not in"),
+                                           ("", "latest is empty")], ids=["missing", "empty"])
+def test_latest_pointing_nowhere_is_named(pointer, named, runs_b, tiny_args, tmp_path):
+    out = clone_checkpoint(runs_b["custom_fsdp"], 8, tmp_path / "out")
+    (out / "latest").write_text(pointer)
+    line = assert_one_error(run_train(out, None, *tiny_args, *CONFIG_B, "--dist_backend=custom_fsdp",
+                                      "--init_from=resume", "--max_iters=12"), named)
+    assert f"{out / 'ckpt-0000008'} is intact" in line, line
+
+
 @pytest.fixture(scope="module")
 def exported(runs_b, tmp_path_factory):
     """`python checkpoint.py OUT_DIR` on a copy of the fsdp W=2 run's final checkpoint."""
