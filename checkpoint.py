@@ -113,7 +113,9 @@ def _prune(out_dir, keep, count):
 
 def holds_checkpoints(out_dir):
     """Whether out_dir has a `latest` pointer or any checkpoint directory."""
-    return os.path.exists(os.path.join(out_dir, "latest")) or (os.path.isdir(out_dir) and bool(_by_save_time(out_dir)))
+    if os.path.exists(os.path.join(out_dir, "latest")):
+        return True
+    return os.path.isdir(out_dir) and bool(_by_save_time(out_dir))
 
 
 def latest_path(out_dir):

@@ -19,7 +19,7 @@ from ast import literal_eval
 
 
 def report_error(msg):
-    """The one `error:` line of bad input; under torchrun also in its failure report, on every node."""
+    """The one `error:` line of bad input; under torchrun also in its failure report (each node's)."""
     if os.environ.get("TORCHELASTIC_ERROR_FILE"):
         with open(os.environ["TORCHELASTIC_ERROR_FILE"], "w") as f:
             json.dump({"message": {"message": msg, "extraInfo": {"timestamp": str(int(time.time()))}}}, f)

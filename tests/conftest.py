@@ -41,8 +41,8 @@ def subprocess_env():
 
 def launch(cmd, timeout, cwd=REPO, env=None):
     """Run `cmd` in its own session (with `env` added); on timeout kill the whole process group (no orphans)."""
-    proc = subprocess.Popen([str(c) for c in cmd], cwd=cwd, env={**subprocess_env(), **(env or {})}, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    proc = subprocess.Popen([str(c) for c in cmd], cwd=cwd, env={**subprocess_env(), **(env or {})},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
