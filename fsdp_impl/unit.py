@@ -420,6 +420,25 @@ class ShardedUnit:
             self._reduction = (work, rs_input, rs_output, params)
             self.schedule.pending_reductions.append(self)
 
+    def _add_partial_reduction(self, output, params):
+        """This micro-step's replica-local sums plus those kept from micro-steps without all-reduce,
+        which may cover other parameters (a layer skipped in one of them) -> (sums, parameters)."""
+        kept, kept_params = self._partial_reduction
+        self._partial_reduction = None
+        if kept_params == params:
+            return output.add_(kept), params
+        union = [ps for ps in self.params if ps in kept_params or ps in params]  # in the unit's order
+        starts, offset = {}, 0
+        for ps in union:
+            starts[ps], offset = offset, offset + ps.padded_numel
+        merged = torch.zeros(offset, dtype=output.dtype, device=output.device)
+        for sums, over in ((output, params), (kept, kept_params)):  # new + kept, as add_ above
+            offset = 0
+            for ps in over:
+                merged[starts[ps]:starts[ps] + ps.padded_numel] += sums[offset:offset + ps.padded_numel]
+                offset += ps.padded_numel
+        return merged, union
+
     @torch.no_grad()
     def finish_reduction(self):
         """Wait for this unit's reduce-scatter and accumulate the result into the sharded grads."""
@@ -432,10 +451,9 @@ class ShardedUnit:
             ledger.log("reduce_scatter_wait", self.name)
             if self.replicate_group is not None:  # HSDP: then average across replicas
                 if self._partial_reduction is not None:
-                    output += self._partial_reduction
-                    self._partial_reduction = None
-                if not self.requires_all_reduce:  # keep the replica-local sum for later
-                    self._partial_reduction = output
+                    output, params = self._add_partial_reduction(output, params)
+                if not self.requires_all_reduce:  # keep the replica-local sums for later
+                    self._partial_reduction = (output, params)
                     return
                 comm.all_reduce_mean(output, self.replicate_group).wait()
             output = output.to(self.flat_shard.device, self.dtype)

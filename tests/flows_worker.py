@@ -89,6 +89,9 @@ class Net(nn.Module):
     def reset_iter_state(self):
         """The plain model keeps no state within a step (FSDP's class overrides this)."""
 
+    def set_requires_all_reduce(self, requires_all_reduce):
+        """The plain model's grads are averaged once, after the step's backward passes."""
+
 
 def build(impl, mesh, seed=0, meta=False, grouped=False, frozen=(), bf16=False, output_dtype=None,
           before_sharding=None, **net_kw):
@@ -300,6 +303,22 @@ def bf16_first_grad_in_the_sync_micro_step(impl, mesh):
     return train(build(impl, mesh, bf16=True, grouped=True), fwd_bwd)
 
 
+def hsdp_all_reduce_off_with_a_layer_skipped(impl, mesh):
+    """HSDP (2 replicas of 1 shard), the all-reduce off in the first micro-step, in which blocks.2
+    (in one unit with blocks.1) is skipped, and on in the second: the replica-local sums kept from
+    the first cover fewer parameters than the second's. FSDP2 fails on those shapes; the reference
+    is the plain model."""
+    if impl == "ours":
+        mesh = init_device_mesh("cpu", (dist.get_world_size(), 1), mesh_dim_names=("replicate", "shard"))
+
+    def fwd_bwd(model, s):
+        for micro in range(2):
+            model.set_requires_all_reduce(micro == 1)
+            model.skip = (2,) if micro == 0 else ()
+            model(data(s, micro)).backward()
+    return train(build(impl, mesh, grouped=True), fwd_bwd)
+
+
 def forward_pre_hook_registered_before_fully_shard(impl, mesh):
     def penalize(model):  # a hook that reads the weights: it must see them gathered
         model.blocks[0].register_forward_pre_hook(lambda module, args: (args[0] + 0.01 * module.a.weight.sum(),))
@@ -311,10 +330,11 @@ FLOWS = [retain_graph, autograd_grad_then_backward, partial_no_grad_forward_befo
          load_state_dict_assign, load_state_dict_assign_meta, grouped_unit_last_module_skipped,
          dataclass_output, reset_after_exception_in_backward, unit_skipped_in_the_sync_micro_step,
          optimizer_step_in_backward, reentrant_checkpoint_two_forwards, mixed_precision_dataclass_io,
-         forward_pre_hook_registered_before_fully_shard, bf16_first_grad_in_the_sync_micro_step]
+         forward_pre_hook_registered_before_fully_shard, bf16_first_grad_in_the_sync_micro_step,
+         hsdp_all_reduce_off_with_a_layer_skipped]
 REFERENCE = {flow: "fsdp2" for flow in FLOWS} | {
     partial_no_grad_forward_before_step_explicit_prefetch: "plain", reset_after_exception_in_backward: "plain",
-    reentrant_checkpoint_two_forwards: "plain"}
+    reentrant_checkpoint_two_forwards: "plain", hsdp_all_reduce_off_with_a_layer_skipped: "plain"}
 # The plain model adds a block's gradients from the two recomputations before averaging over the
 # ranks; we reduce each recomputation's gradients as it finishes and add the averages: the same
 # sum in another order, so equal to rounding (FSDP2 is off by about 1 here: it loses a share).
