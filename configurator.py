@@ -26,7 +26,7 @@ def report_error(msg):
     if os.environ.get("RANK", "0") == "0":  # under torchrun every process meets the same error
         print(f"error: {msg}", file=sys.stderr, flush=True)
     else:  # torchrun stops every process once one exits: let the first, which prints, get there first
-        time.sleep(2)
+        time.sleep(10)
 
 
 def fail(msg):

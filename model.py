@@ -192,9 +192,10 @@ def load_pretrained_gpt2(model_type, dropout=0.0):
         raise ValueError(f"'{model_type}' is not one of OpenAI's GPT-2 models ({', '.join(GPT2_MODELS)})")
     try:
         from transformers import GPT2LMHeadModel
-        hf = GPT2LMHeadModel.from_pretrained(model_type)
     except ImportError:
         raise ValueError("needs Hugging Face's transformers: pip install transformers") from None
+    try:
+        hf = GPT2LMHeadModel.from_pretrained(model_type)
     except Exception as e:  # not downloadable, not in the cache offline, a damaged file
         offline = "; offline, transformers reads its cache (HF_HUB_OFFLINE=1, HF_HUB_CACHE names the folder)"
         raise ValueError(f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"

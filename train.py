@@ -351,7 +351,8 @@ while True:
         losses = estimate_loss() if eval_iters else None  # eval_iters=0: no evaluation
         if master and losses:
             print(f"step {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
-            log_metrics(iter=iter_num, train_loss=losses["train"], val_loss=losses["val"])
+            log_metrics(iter=iter_num, train_loss=losses["train"], val_loss=losses["val"],
+                        **({"evaluated": ckpt_path if init_from == "resume" else init_from} if eval_only else {}))
             if wandb_log:
                 wandb.log({"iter": iter_num, "train/loss": losses["train"], "val/loss": losses["val"], "lr": lr})
         improved = losses is not None and losses["val"] < best_val_loss

@@ -143,6 +143,7 @@ class Schedule:
             unit.post_backward()  # no-op for units whose grads all arrived
         self.finish_reductions()
         for unit in self.units:
+            unit.all_reduce_kept_sums()
             unit.training_state = "idle"
             if unit.state == GATHERING:  # a prefetch nothing used (reentrant checkpointing's recompute)
                 unit.reshard()

@@ -456,14 +456,28 @@ class ShardedUnit:
                     self._partial_reduction = (output, params)
                     return
                 comm.all_reduce_mean(output, self.replicate_group).wait()
-            output = output.to(self.flat_shard.device, self.dtype)
-            offset = 0
-            for ps in params:
-                local = output[offset:offset + ps.local_numel].view(ps.local_shape)
-                offset += ps.padded_numel
-                if ps.sharded.grad is None:
-                    # DTensor's own constructor with the parameter's spec: from_local() costs an
-                    # autograd node and a spec per call, ~50 us of CPU per parameter and step
-                    ps.sharded.grad = DTensor(local, ps.sharded._spec, requires_grad=False)
-                else:
-                    ps.sharded.grad.to_local().add_(local)
+            self._accumulate_grads(output, params)
+
+    @torch.no_grad()
+    def all_reduce_kept_sums(self):
+        """HSDP, end of backward: sums kept with the all-reduce off, when the micro-step with it on
+        did not run this unit (so no reduce-scatter brought them along)."""
+        if self._partial_reduction is not None and self.requires_all_reduce:
+            output, params = self._partial_reduction
+            self._partial_reduction = None
+            comm.all_reduce_mean(output, self.replicate_group).wait()
+            self._accumulate_grads(output, params)
+
+    def _accumulate_grads(self, output, params):
+        """Add the reduced flat `output` (over `params`) into the sharded grads."""
+        output = output.to(self.flat_shard.device, self.dtype)
+        offset = 0
+        for ps in params:
+            local = output[offset:offset + ps.local_numel].view(ps.local_shape)
+            offset += ps.padded_numel
+            if ps.sharded.grad is None:
+                # DTensor's own constructor with the parameter's spec: from_local() costs an
+                # autograd node and a spec per call, ~50 us of CPU per parameter and step
+                ps.sharded.grad = DTensor(local, ps.sharded._spec, requires_grad=False)
+            else:
+                ps.sharded.grad.to_local().add_(local)

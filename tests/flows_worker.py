@@ -303,20 +303,41 @@ def bf16_first_grad_in_the_sync_micro_step(impl, mesh):
     return train(build(impl, mesh, bf16=True, grouped=True), fwd_bwd)
 
 
-def hsdp_all_reduce_off_with_a_layer_skipped(impl, mesh):
-    """HSDP (2 replicas of 1 shard), the all-reduce off in the first micro-step, in which blocks.2
-    (in one unit with blocks.1) is skipped, and on in the second: the replica-local sums kept from
-    the first cover fewer parameters than the second's. FSDP2 fails on those shapes; the reference
-    is the plain model."""
+def hsdp_all_reduce_off(impl, mesh, skips):
+    """HSDP (2 replicas of 1 shard), the all-reduce off in the first micro-step and on in the
+    second, skipping the blocks in skips[micro] (blocks.1 and blocks.2 are one unit): the replica-
+    local sums kept from the first cover other parameters than the second's, or the second does not
+    run the unit at all. FSDP2 fails on the shapes or drops the kept sums; the reference is the
+    plain model."""
     if impl == "ours":
         mesh = init_device_mesh("cpu", (dist.get_world_size(), 1), mesh_dim_names=("replicate", "shard"))
 
     def fwd_bwd(model, s):
         for micro in range(2):
             model.set_requires_all_reduce(micro == 1)
-            model.skip = (2,) if micro == 0 else ()
+            model.skip = skips[micro]
             model(data(s, micro)).backward()
     return train(build(impl, mesh, grouped=True), fwd_bwd)
+
+
+def hsdp_kept_sums_lack_the_units_last_module(impl, mesh):
+    return hsdp_all_reduce_off(impl, mesh, skips=((2,), ()))
+
+
+def hsdp_kept_sums_lack_the_units_first_module(impl, mesh):
+    return hsdp_all_reduce_off(impl, mesh, skips=((1,), ()))
+
+
+def hsdp_all_reduce_micro_step_skips_a_module(impl, mesh):
+    return hsdp_all_reduce_off(impl, mesh, skips=((), (1,)))
+
+
+def hsdp_all_reduce_micro_step_skips_the_unit(impl, mesh):
+    return hsdp_all_reduce_off(impl, mesh, skips=((), (1, 2)))
+
+
+HSDP_FLOWS = [hsdp_kept_sums_lack_the_units_last_module, hsdp_kept_sums_lack_the_units_first_module,
+              hsdp_all_reduce_micro_step_skips_a_module, hsdp_all_reduce_micro_step_skips_the_unit]
 
 
 def forward_pre_hook_registered_before_fully_shard(impl, mesh):
@@ -330,11 +351,10 @@ FLOWS = [retain_graph, autograd_grad_then_backward, partial_no_grad_forward_befo
          load_state_dict_assign, load_state_dict_assign_meta, grouped_unit_last_module_skipped,
          dataclass_output, reset_after_exception_in_backward, unit_skipped_in_the_sync_micro_step,
          optimizer_step_in_backward, reentrant_checkpoint_two_forwards, mixed_precision_dataclass_io,
-         forward_pre_hook_registered_before_fully_shard, bf16_first_grad_in_the_sync_micro_step,
-         hsdp_all_reduce_off_with_a_layer_skipped]
+         forward_pre_hook_registered_before_fully_shard, bf16_first_grad_in_the_sync_micro_step, *HSDP_FLOWS]
 REFERENCE = {flow: "fsdp2" for flow in FLOWS} | {
     partial_no_grad_forward_before_step_explicit_prefetch: "plain", reset_after_exception_in_backward: "plain",
-    reentrant_checkpoint_two_forwards: "plain", hsdp_all_reduce_off_with_a_layer_skipped: "plain"}
+    reentrant_checkpoint_two_forwards: "plain"} | {flow: "plain" for flow in HSDP_FLOWS}
 # The plain model adds a block's gradients from the two recomputations before averaging over the
 # ranks; we reduce each recomputation's gradients as it finishes and add the averages: the same
 # sum in another order, so equal to rounding (FSDP2 is off by about 1 here: it loses a share).

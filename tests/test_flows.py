@@ -10,14 +10,15 @@ activation checkpointing, requires_grad_() changes during training, load_state_d
 (materialized and meta models), a grouped unit whose last module is skipped, a block returning a
 dataclass, recovery with reset_iter_state() after an exception in backward, and under bf16 a
 parameter whose first gradient comes in the synchronizing micro-step of an accumulation, and HSDP
-with the all-reduce off in a micro-step that skips part of a unit. Two more
+with the all-reduce off in one micro-step and on in the next, parts of a unit skipped. Two more
 checks: every module of a grouped unit returns its output in output_dtype, and a block run before
 the root's first forward is rejected with a RuntimeError, as FSDP2 does.
 
-The reference is FSDP2, except in three flows where FSDP2 (torch 2.13) computes something else than
+The reference is FSDP2, except in the flows where FSDP2 (torch 2.13) computes something else than
 plain PyTorch: with explicit forward-prefetch lists it uses the probe's all-gather from before the
 optimizer step, and after reset_iter_state() it adds the failed step's head gradients to the next
-step's; with HSDP's all-reduce off in a micro-step that skips part of a unit it fails. There the
+step's; in the HSDP flows (all-reduce off, then on, parts of a unit skipped) it fails on the shapes or
+drops the kept sums. There the
 reference is the plain model, its grads averaged over the ranks before each step
 (all_reduce AVG). In the other float32 flows FSDP2 matches that plain model bit for bit too
 (checked when the flows were written), so matching FSDP2 means computing the right thing. In the
@@ -41,7 +42,8 @@ FLOWS = ["retain_graph", "autograd_grad_then_backward", "partial_no_grad_forward
          "dataclass_output", "reset_after_exception_in_backward", "unit_skipped_in_the_sync_micro_step",
          "optimizer_step_in_backward", "reentrant_checkpoint_two_forwards", "mixed_precision_dataclass_io",
          "forward_pre_hook_registered_before_fully_shard", "bf16_first_grad_in_the_sync_micro_step",
-         "hsdp_all_reduce_off_with_a_layer_skipped"]
+         "hsdp_kept_sums_lack_the_units_last_module", "hsdp_kept_sums_lack_the_units_first_module",
+         "hsdp_all_reduce_micro_step_skips_a_module", "hsdp_all_reduce_micro_step_skips_the_unit"]
 
 
 @pytest.fixture(scope="module")

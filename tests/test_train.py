@@ -451,7 +451,8 @@ def test_eval_only_evaluates_the_checkpoint_as_the_run_did(runs_b, tiny_args, tm
     assert res.returncode == 0, res.describe()
     rows = [json.loads(line) for line in (out / "eval.jsonl").read_text().splitlines()]
     logged = {r["iter"]: r["val_loss"] for r in load_metrics(out)[1]}
-    assert [(r["iter"], r["val_loss"]) for r in rows if "val_loss" in r] == [(8, logged[8])]
+    assert [(r["iter"], r["val_loss"], r["evaluated"]) for r in rows if "val_loss" in r] == \
+        [(8, logged[8], str(out / "ckpt-0000008"))]
     assert not any("loss" in r for r in rows)
     assert {k: v for k, v in snapshot(out).items() if k != "eval.jsonl"} == before
 
