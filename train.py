@@ -190,7 +190,7 @@ model_args = dict(n_layer=n_layer, n_head=n_head, n_embd=n_embd, block_size=bloc
                   vocab_size=None, dropout=dropout, activation_checkpointing=activation_checkpointing)
 pretrained, pretrained_from = None, None  # the GPT-2 model a run started from sets its shape, not the config
 if init_from != "resume" and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0 \
-        and os.path.exists(os.path.join(out_dir, "latest")):
+        and checkpoint.holds_checkpoints(out_dir):  # (without `latest`, the resume says what to mend)
     init_from = "resume"  # torchrun restarted us after a failure: continue from the last checkpoint
     if master:
         print(f"restart {os.environ['TORCHELASTIC_RESTART_COUNT']}: resuming from the last checkpoint")

@@ -233,6 +233,18 @@ def test_a_new_run_refuses_an_out_dir_with_checkpoints(args, saved, tmp_path, po
     assert {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
 
 
+def test_a_restart_after_a_first_save_cut_before_its_commit_says_how_to_resume(args, saved, tmp_path):
+    """The first save renamed its directory into place, then died before writing `latest`: the
+    restart must not be refused as a new run into another run's out_dir, but name the checkpoint."""
+    out = tmp_path / "cut"
+    subprocess.run(["cp", "-r", str(saved), str(out)], check=True)
+    (out / "latest").unlink()
+    cmd = launcher(None) + [REPO / "train.py", f"--out_dir={out}", "--device=cpu", *args, "--dist_backend=custom_fsdp"]
+    assert "holds another run's checkpoints" in one_error_line(launch(cmd, timeout=120))  # a new run by hand
+    line = one_error_line(launch(cmd, timeout=120, env={"TORCHELASTIC_RESTART_COUNT": "1"}))
+    assert f"{out / 'ckpt-0000004'} is intact: write 'ckpt-0000004' into {out / 'latest'}" in line, line
+
+
 def test_pruning_keeps_the_checkpoints_saved_last(tmp_path):
     """Resumed from an older checkpoint, a run saves lower iteration numbers than ones already
     there: the checkpoint just saved must stay (by name it would have been the first to go)."""
