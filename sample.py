@@ -64,14 +64,14 @@ if init_from == "resume":
     try:
         model, data_config = load_newest(out_dir)
     except checkpoint.CheckpointError as e:
-        raise SystemExit(f"error: {e}")
+        configurator.fail(str(e))
 elif init_from not in GPT2_MODELS:
-    raise SystemExit(f"error: unknown init_from '{init_from}' (choose resume, {', '.join(GPT2_MODELS)})")
+    configurator.fail(f"unknown init_from '{init_from}' (choose resume, {', '.join(GPT2_MODELS)})")
 else:
     try:
         config, state = load_pretrained_gpt2(init_from)
     except ValueError as e:
-        raise SystemExit(f"error: init_from={init_from}: {e}")
+        configurator.fail(f"init_from={init_from}: {e}")
     model = GPT(config)
     model.load_state_dict(state)
 model.eval().to(device)
@@ -86,7 +86,7 @@ if data_config and os.path.exists(meta_path):
     def encode(s):
         unknown = sorted(set(s) - stoi.keys())
         if unknown:
-            raise SystemExit(f"error: --start has characters not in the vocabulary ({meta_path}): {''.join(unknown)!r}")
+            configurator.fail(f"--start has characters not in the vocabulary ({meta_path}): {''.join(unknown)!r}")
         return [stoi[c] for c in s]
 
     decode = lambda ids: "".join(itos[i] for i in ids)
@@ -101,7 +101,7 @@ if start.startswith("FILE:"):
         with open(start[5:]) as f:
             start = f.read()
     except OSError as e:
-        raise SystemExit(f"error: --start: cannot read {start[5:]}: {e.strerror}")
+        configurator.fail(f"--start: cannot read {start[5:]}: {e.strerror}")
 # an empty prompt asks for samples from scratch: start them where a text starts, at a newline (the
 # default prompt; both vocabularies here have one, and encode refuses a character table without)
 x = torch.tensor(encode(start or "\n"), dtype=torch.long, device=device)[None, ...]
