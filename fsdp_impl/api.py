@@ -59,7 +59,14 @@ def fully_shard(module, *, mesh=None, reshard_after_forward=None, mp_policy=Mixe
     if offload_policy is not None and mesh.device_type != "cuda":
         raise ValueError("offload_policy needs CUDA: on a CPU run parameters already live in CPU memory")
     modules = list(module) if isinstance(module, (list, tuple)) else [module]
+    for m in modules:
+        if hasattr(m, "_fsdp_unit"):
+            raise ValueError(f"fully_shard: this {type(m).__name__} was sharded already (once per module)")
     unit = ShardedUnit(modules, mesh, reshard_after_forward, mp_policy, offload_policy)
+    for m in modules:
+        for sub in m.modules():  # units sharded before this one, inside it: this is their parent
+            if hasattr(sub, "_fsdp_unit") and sub._fsdp_unit.parent is None:
+                sub._fsdp_unit.parent = unit
     for m in modules:
         m._fsdp_unit = unit
         # first, so that hooks the module already had see its gathered parameters (as under FSDP2)
@@ -111,11 +118,42 @@ def _cast(tree, dtype):
 def _pre_forward(module, args, kwargs):
     unit = module._fsdp_unit
     if unit.schedule is None:
-        _lazy_init(module)
-    unit.pre_forward()
+        with torch.inference_mode(False):  # the unit's buffers and unsharded parameters outlive this forward
+            _lazy_init(module)
+    starts_forward = unit.pre_forward()
     if unit.mp.param_dtype is not None and unit.mp.cast_forward_inputs:
         args, kwargs = _cast(args, unit.mp.param_dtype), _cast(kwargs, unit.mp.param_dtype) if kwargs else kwargs
+    if starts_forward and torch.is_grad_enabled():
+        args, kwargs = _gate_inputs(unit, args, kwargs)
     return args, kwargs
+
+
+class _InputGradGate(torch.autograd.Function):
+    """Identity on the forward inputs of a unit; its backward tells the unit that their grads, and
+    so that forward's whole backward, are done (ShardedUnit.input_grads_ready)."""
+
+    @staticmethod
+    def forward(ctx, unit, *inputs):
+        ctx.unit = unit
+        return inputs
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.unit.input_grads_ready()
+        return (None, *grads)
+
+
+def _gate_inputs(unit, args, kwargs):
+    """Pass the inputs that require grad through one _InputGradGate (none require it: no gate)."""
+    inputs = []
+    collect = lambda t: inputs.append(t) or t if t.requires_grad else t  # noqa: E731
+    _map_tensors(collect, args), _map_tensors(collect, kwargs) if kwargs else None
+    if not inputs:
+        return args, kwargs
+    unit.inputs_to_come += 1
+    gated = iter(_InputGradGate.apply(unit, *inputs))
+    swap = lambda t: next(gated) if t.requires_grad else t  # noqa: E731
+    return _map_tensors(swap, args), _map_tensors(swap, kwargs) if kwargs else kwargs
 
 
 def _post_forward(module, args, output):
@@ -164,8 +202,11 @@ class FSDPModule:
 
     def unshard(self, async_op=False):
         unit = self._fsdp_unit
-        if unit.schedule is None:
-            _lazy_init(self)
+        if unit.schedule is None:  # before the first forward: set up from the root, as forward will
+            root = unit
+            while root.parent is not None:
+                root = root.parent
+            _lazy_init(root.modules[0])
         unit.unshard()
         if not async_op:
             unit.wait_unshard()

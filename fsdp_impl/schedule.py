@@ -49,7 +49,8 @@ class BufferPool:
         if free:
             return free.pop()
         self.allocations += 1
-        return torch.empty(numel, dtype=dtype, device=self.device)
+        with torch.inference_mode(False):  # pooled, so also used outside an inference-mode forward
+            return torch.empty(numel, dtype=dtype, device=self.device)
 
     def give(self, buffer):
         if self.reuse:
@@ -145,6 +146,7 @@ class Schedule:
         for unit in self.units:
             unit.all_reduce_kept_sums()
             unit.training_state = "idle"
+            unit.inputs_to_come = 0  # (gates of a forward that had no backward)
             if unit.state == GATHERING:  # a prefetch nothing used (reentrant checkpointing's recompute)
                 unit.reshard()
         self.buffers.clear()

@@ -25,6 +25,7 @@ The layout is exactly FSDP2's, so with the same collective the numbers are the s
 State machine: SHARDED -> GATHERING (all-gather in flight) -> UNSHARDED -> SHARDED.
 """
 import math
+import weakref
 
 import torch
 import torch.nn as nn
@@ -35,6 +36,14 @@ from . import comm
 from .comm import ledger, profiled
 
 SHARDED, GATHERING, UNSHARDED = "sharded", "gathering", "unsharded"
+
+
+def _grad_ready_hook(unit):
+    """The post-accumulate-grad hook of a unit's parameters. It holds the unit by a weak reference:
+    the garbage collector does not follow references from a tensor's hooks, so a bound method
+    there would keep the unit, its parameters and so the whole model alive forever."""
+    unit = weakref.ref(unit)
+    return lambda param: unit()._on_grad_ready(param)
 
 
 def _set_param(module, name, param):
@@ -81,6 +90,7 @@ class ShardedUnit:
     def __init__(self, modules, mesh, reshard_after_forward, mp_policy, offload_policy):
         self.modules = modules  # usually one; several consecutive blocks for size-based wrapping
         self.name = type(modules[0]).__name__  # the root renames units by their path at lazy init
+        self.parent = None  # the unit of the next fully_shard() call that contains this one's modules
         self.mesh = mesh
         self.shard_group = mesh.get_group(mesh.ndim - 1)
         self.replicate_group = mesh.get_group(0) if mesh.ndim == 2 else None
@@ -104,6 +114,7 @@ class ShardedUnit:
         self.schedule = None
         self.training_state = "idle"  # idle | forward | pre_backward
         self.grads_to_come = 0
+        self.inputs_to_come = 0  # gated forward inputs whose grads are not computed yet (api.py)
         self.needs_post_backward = False
         self.holds_unreduced_grads = False  # accumulated with gradient sync off, not yet reduce-scattered
         self._gather = None  # (work, output, input) while GATHERING
@@ -142,9 +153,7 @@ class ShardedUnit:
 
     def _shard(self):
         found = self._managed_params()
-        dtypes = {p.dtype for p in found}
-        if len(dtypes) > 1:
-            raise ValueError(f"fully_shard({self.name}): parameters of one unit must share a dtype, got {dtypes}")
+        self.dtype = self._common_dtype(found)
         self.params, offset = [], 0
         for p, regs in found.items():
             if p.dim() == 0:
@@ -153,7 +162,6 @@ class ShardedUnit:
             offset += ps.padded_numel
             self.params.append(ps)
         self.shard_numel = offset
-        self.dtype = dtypes.pop() if dtypes else torch.float32
         on_meta = any(p.is_meta for p in found)
         self.flat_shard = self._new_flat_shard(torch.device("meta") if on_meta else self.compute_device)
         for ps, p in zip(self.params, found):
@@ -162,6 +170,12 @@ class ShardedUnit:
                 self._local_view(ps).view(-1, max(ps.row_numel, 1)).copy_(rows)
             ps.sharded = nn.Parameter(self._as_dtensor(self._local_view(ps), ps), requires_grad=p.requires_grad)
             ps.register(ps.sharded)
+
+    def _common_dtype(self, params):
+        dtypes = {p.dtype for p in params}
+        if len(dtypes) > 1:
+            raise ValueError(f"fully_shard({self.name}): parameters of one unit must share a dtype, got {dtypes}")
+        return dtypes.pop() if dtypes else torch.float32
 
     def _new_flat_shard(self, device):
         if self.offload and device.type != "meta":
@@ -194,7 +208,7 @@ class ShardedUnit:
             view = self.flat_full[start:start + math.prod(ps.shape)].view(ps.shape)
             # the hook stays through requires_grad_() changes, which _sync_requires_grad mirrors
             ps.unsharded = nn.Parameter(view, requires_grad=True)
-            ps.unsharded.register_post_accumulate_grad_hook(self._on_grad_ready)
+            ps.unsharded.register_post_accumulate_grad_hook(_grad_ready_hook(self))
         # each parameter's padded full tensor as [W, rows per rank * row numel]: the copy-out targets
         self._full_slots = [self.flat_full[ps.offset * self.world:(ps.offset + ps.padded_numel) * self.world]
                             .view(self.world, -1) for ps in self.params]
@@ -203,11 +217,13 @@ class ShardedUnit:
 
     @torch.no_grad()  # (with grad on, the copy would record a graph back to the replaced tensors, keeping them)
     def _adopt_materialized_params(self):
-        """After module.to_empty(), parameters hold fresh tensors: copy them back into a flat shard."""
+        """After module.to_empty() or module.to(dtype), parameters hold fresh tensors: copy them back
+        into a flat shard (of their dtype)."""
         if not self.params or all(
                 ps.sharded.to_local().untyped_storage().data_ptr() == self.flat_shard.untyped_storage().data_ptr()
                 for ps in self.params):
             return
+        self.dtype = self._common_dtype(ps.sharded for ps in self.params)  # module.to(dtype) may change it
         flat = self._new_flat_shard(self.params[0].sharded.device)
         for ps in self.params:
             local = self._local_view(ps, flat)
@@ -300,6 +316,7 @@ class ShardedUnit:
         self._end_phase_range()
         self.training_state = "idle"
         self.needs_post_backward = False
+        self.inputs_to_come = 0
         self.holds_unreduced_grads = False
         self._partial_reduction = None
         for ps in self.params:
@@ -309,16 +326,17 @@ class ShardedUnit:
 
     # ---- hooks' bodies (called from api.py) ----------------------------------------------
     def pre_forward(self):
+        """Gather for forward; True if this starts the unit's forward (api.py then gates its inputs)."""
         if self.training_state == "pre_backward" and not self.needs_post_backward:
             # a recomputation (reentrant checkpointing) after this unit's post-backward ran and
             # resharded it: gather again and expect the grads its nested backward will produce
             self.wait_unshard()
             self._expect_grads()
-            return
+            return False
         if self.training_state != "idle":
             # "forward": a later module of a grouped unit; "pre_backward": activation
             # checkpointing recomputes inside backward. Either way the unit is already gathered.
-            return
+            return False
         self.training_state = "forward"
         self._sync_requires_grad()
         self.schedule.record_pre_forward(self)
@@ -327,6 +345,7 @@ class ShardedUnit:
             unit.unshard()
         ledger.log("forward", self.name)
         self._phase_range = comm.begin_range(f"fsdp::forward {self.name}")
+        return True
 
     def _sync_requires_grad(self):
         """requires_grad_() is called on the sharded parameters (those the user and the optimizer
@@ -372,7 +391,15 @@ class ShardedUnit:
 
     def _on_grad_ready(self, param):
         self.grads_to_come -= 1
-        if self.grads_to_come == 0:
+        if self.grads_to_come == 0 and self.inputs_to_come <= 0:
+            self.post_backward()
+
+    def input_grads_ready(self):
+        """The grads of a forward's inputs are computed: that forward's backward is over. Counting
+        the parameters' grads is not enough on its own: under reentrant checkpointing a parameter
+        used twice gets grads in two backward passes, so the count can run out before the last."""
+        self.inputs_to_come -= 1
+        if self.inputs_to_come <= 0 and self.grads_to_come <= 0:
             self.post_backward()
 
     @torch.no_grad()

@@ -12,12 +12,14 @@ flows where FSDP2 itself goes wrong, the plain model with its grads averaged ove
 raises records the traceback, so one broken flow does not hide the others. tests/test_flows.py
 asserts on the report.
 """
+import gc
 import json
 import math
 import os
 import sys
 import traceback
 import warnings
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -51,15 +53,31 @@ class Out:  # not a pytree node: an implementation has to look inside it for the
     h: torch.Tensor
 
 
+def reentrant(layer, x):
+    return checkpoint(layer, x, use_reentrant=True)
+
+
+# a block that applies its layer `a` twice, under reentrant checkpointing once or twice: then a's
+# gradients arrive in two backward passes (the recomputation's nested one, and the outer one or
+# another nested one), in either order
+REUSES = {"outside_then_checkpointed": (lambda a, x: a(x), reentrant),
+          "checkpointed_then_outside": (reentrant, lambda a, x: a(x)),
+          "checkpointed_twice": (reentrant, reentrant)}
+
+
 class Block(nn.Module):
-    def __init__(self, dataclass_output=False):
+    def __init__(self, dataclass_output=False, reuse=None):
         super().__init__()
         self.a, self.b = nn.Linear(D, D), nn.Linear(D, D)
-        self.dataclass_output = dataclass_output
+        self.dataclass_output, self.reuse = dataclass_output, reuse
 
     def forward(self, x):
         x = x.h if isinstance(x, Out) else x
-        h = x + self.b(torch.tanh(self.a(x)))
+        if self.reuse:
+            first, second = REUSES[self.reuse]
+            h = x + self.b(torch.tanh(second(self.a, torch.tanh(first(self.a, x)))))
+        else:
+            h = x + self.b(torch.tanh(self.a(x)))
         return Out(h) if self.dataclass_output else h
 
 
@@ -68,10 +86,10 @@ class Net(nn.Module):
     indices of blocks the forward leaves out (layer drop); `mute` those whose output it multiplies
     by 0 (the forward and grads of a skip, but the block runs and gets zero grads)."""
 
-    def __init__(self, dataclass_output=False, dataclass_input=False, reentrant=False):
+    def __init__(self, dataclass_output=False, dataclass_input=False, reentrant=False, reuse=None):
         super().__init__()
         self.inp = nn.Linear(D, D)
-        self.blocks = nn.ModuleList([Block(dataclass_output) for _ in range(3)])
+        self.blocks = nn.ModuleList([Block(dataclass_output, reuse) for _ in range(3)])
         self.out = nn.Linear(D, 1)
         self.dataclass_input, self.reentrant, self.skip, self.mute = dataclass_input, reentrant, (), ()
 
@@ -336,6 +354,52 @@ def hsdp_all_reduce_micro_step_skips_the_unit(impl, mesh):
     return hsdp_all_reduce_off(impl, mesh, skips=((), (1, 2)))
 
 
+def reused_layer_outside_then_checkpointed(impl, mesh):
+    return train(build(impl, mesh, reuse="outside_then_checkpointed"))
+
+
+def reused_layer_checkpointed_then_outside(impl, mesh):
+    return train(build(impl, mesh, reuse="checkpointed_then_outside"))
+
+
+def reused_layer_checkpointed_twice(impl, mesh):
+    return train(build(impl, mesh, reuse="checkpointed_twice"))
+
+
+def inference_mode_forward(impl, mesh, first_step_too):
+    def fwd_bwd(model, s):  # an evaluation under inference_mode, then training goes on
+        if s > 0 or first_step_too:
+            with torch.inference_mode():
+                model(data(s, k=1))
+        plain_step(model, s)
+    return train(build(impl, mesh), fwd_bwd)
+
+
+def inference_mode_forward_between_steps(impl, mesh):
+    return inference_mode_forward(impl, mesh, first_step_too=False)
+
+
+def inference_mode_first_forward(impl, mesh):
+    # the model's first forward (its lazy initialization) under inference_mode: FSDP2 fails there
+    return inference_mode_forward(impl, mesh, first_step_too=True)
+
+
+def dtype_changed_after_fully_shard(impl, mesh):
+    model = build(impl, mesh).double()  # before the first forward: the model trains in float64
+
+    def fwd_bwd(model, s):
+        model(data(s).double()).backward()
+    return train(model, fwd_bwd)
+
+
+def unshard_before_each_forward(impl, mesh):
+    def fwd_bwd(model, s):  # a hand prefetch of the first block, from the very first step on
+        handle = model.blocks[0].unshard(async_op=True)
+        handle.wait()
+        plain_step(model, s)
+    return train(build(impl, mesh), fwd_bwd)
+
+
 HSDP_FLOWS = [hsdp_kept_sums_lack_the_units_last_module, hsdp_kept_sums_lack_the_units_first_module,
               hsdp_all_reduce_micro_step_skips_a_module, hsdp_all_reduce_micro_step_skips_the_unit]
 
@@ -351,10 +415,13 @@ FLOWS = [retain_graph, autograd_grad_then_backward, partial_no_grad_forward_befo
          load_state_dict_assign, load_state_dict_assign_meta, grouped_unit_last_module_skipped,
          dataclass_output, reset_after_exception_in_backward, unit_skipped_in_the_sync_micro_step,
          optimizer_step_in_backward, reentrant_checkpoint_two_forwards, mixed_precision_dataclass_io,
-         forward_pre_hook_registered_before_fully_shard, bf16_first_grad_in_the_sync_micro_step, *HSDP_FLOWS]
+         forward_pre_hook_registered_before_fully_shard, bf16_first_grad_in_the_sync_micro_step, *HSDP_FLOWS,
+         reused_layer_outside_then_checkpointed, reused_layer_checkpointed_then_outside,
+         reused_layer_checkpointed_twice, inference_mode_forward_between_steps, inference_mode_first_forward,
+         dtype_changed_after_fully_shard, unshard_before_each_forward]
 REFERENCE = {flow: "fsdp2" for flow in FLOWS} | {
     partial_no_grad_forward_before_step_explicit_prefetch: "plain", reset_after_exception_in_backward: "plain",
-    reentrant_checkpoint_two_forwards: "plain"} | {flow: "plain" for flow in HSDP_FLOWS}
+    reentrant_checkpoint_two_forwards: "plain", inference_mode_first_forward: "plain"} | {flow: "plain" for flow in HSDP_FLOWS}
 # The plain model adds a block's gradients from the two recomputations before averaging over the
 # ranks; we reduce each recomputation's gradients as it finishes and add the averages: the same
 # sum in another order, so equal to rounding (FSDP2 is off by about 1 here: it loses a share).
@@ -387,6 +454,33 @@ def grouped_unit_output_dtypes(impl, mesh):
         block.register_forward_hook(lambda module, args, out, i=i: seen.__setitem__(f"blocks.{i}", str(out.dtype)))
     model(data(0)).backward()
     return seen
+
+
+def freed_after_del(impl, mesh):
+    """Whether a model that trained a step is freed once its last reference is dropped."""
+    model = build(impl, mesh)
+    plain_step(model, 0)
+    alive = weakref.ref(model)
+    del model
+    gc.collect()
+    return alive() is None
+
+
+def fully_shard_twice(impl, mesh):
+    """fully_shard() again on a block already sharded: what is raised, and whether the model still
+    trains a step afterwards (nothing was changed before the error)."""
+    model = build(impl, mesh)
+    try:
+        SHARD[impl](model.blocks[0], mesh=mesh)
+        rec = {"raised": None}
+    except Exception as e:
+        rec = {"raised": type(e).__name__, "message": str(e)}
+    try:
+        plain_step(model, 0)
+        rec["trains_after"] = True
+    except Exception:
+        rec["trains_after"], rec["traceback"] = False, traceback.format_exc()
+    return rec
 
 
 # ---- comparison -------------------------------------------------------------------------------
@@ -435,7 +529,8 @@ def main():
     dist.init_process_group("gloo")
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     result = {flow.__name__: compare(flow, mesh) for flow in FLOWS}
-    result["grouped_unit_output_dtypes"] = {impl: grouped_unit_output_dtypes(impl, mesh) for impl in ("fsdp2", "ours")}
+    for check in (grouped_unit_output_dtypes, freed_after_del, fully_shard_twice):
+        result[check.__name__] = {impl: check(impl, mesh) for impl in ("fsdp2", "ours")}
     # The last flow can kill the process (fsdp_impl segfaulted there). The other flows' results are
     # written first, then again with this flow's record: after a crash the report lacks it (and the
     # exit code is nonzero), which the test reports as the crash, the other tests unaffected.

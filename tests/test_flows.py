@@ -10,15 +10,18 @@ activation checkpointing, requires_grad_() changes during training, load_state_d
 (materialized and meta models), a grouped unit whose last module is skipped, a block returning a
 dataclass, recovery with reset_iter_state() after an exception in backward, and under bf16 a
 parameter whose first gradient comes in the synchronizing micro-step of an accumulation, and HSDP
-with the all-reduce off in one micro-step and on in the next, parts of a unit skipped. Two more
-checks: every module of a grouped unit returns its output in output_dtype, and a block run before
-the root's first forward is rejected with a RuntimeError, as FSDP2 does.
+with the all-reduce off in one micro-step and on in the next, parts of a unit skipped; a layer used
+twice in a block under reentrant checkpointing (its grads come in two backward passes), an
+inference_mode forward between steps and as the first forward, module.double() after
+fully_shard, and a block's unshard() before each step's forward (the first included). More checks: every module of a grouped unit returns its output in output_dtype, a
+model is freed once dropped, fully_shard twice on one module is a clear error that changes nothing,
+and a block run before the root's first forward is rejected with a RuntimeError, as FSDP2 does.
 
 The reference is FSDP2, except in the flows where FSDP2 (torch 2.13) computes something else than
 plain PyTorch: with explicit forward-prefetch lists it uses the probe's all-gather from before the
 optimizer step, and after reset_iter_state() it adds the failed step's head gradients to the next
 step's; in the HSDP flows (all-reduce off, then on, parts of a unit skipped) it fails on the shapes or
-drops the kept sums. There the
+drops the kept sums; with the first forward under inference_mode it fails. There the
 reference is the plain model, its grads averaged over the ranks before each step
 (all_reduce AVG). In the other float32 flows FSDP2 matches that plain model bit for bit too
 (checked when the flows were written), so matching FSDP2 means computing the right thing. In the
@@ -43,7 +46,10 @@ FLOWS = ["retain_graph", "autograd_grad_then_backward", "partial_no_grad_forward
          "optimizer_step_in_backward", "reentrant_checkpoint_two_forwards", "mixed_precision_dataclass_io",
          "forward_pre_hook_registered_before_fully_shard", "bf16_first_grad_in_the_sync_micro_step",
          "hsdp_kept_sums_lack_the_units_last_module", "hsdp_kept_sums_lack_the_units_first_module",
-         "hsdp_all_reduce_micro_step_skips_a_module", "hsdp_all_reduce_micro_step_skips_the_unit"]
+         "hsdp_all_reduce_micro_step_skips_a_module", "hsdp_all_reduce_micro_step_skips_the_unit",
+         "reused_layer_outside_then_checkpointed", "reused_layer_checkpointed_then_outside",
+         "reused_layer_checkpointed_twice", "inference_mode_forward_between_steps", "inference_mode_first_forward",
+         "dtype_changed_after_fully_shard", "unshard_before_each_forward"]
 
 
 @pytest.fixture(scope="module")
@@ -74,6 +80,21 @@ def test_grouped_unit_casts_every_modules_output(report):
     r = report["grouped_unit_output_dtypes"]
     assert r["fsdp2"] == {f"blocks.{i}": "torch.float32" for i in range(3)}, r  # the reference behaviour
     assert r["ours"] == r["fsdp2"], r
+
+
+def test_model_is_freed_once_dropped(report):
+    """A trained model is garbage once its last reference goes (a hook holding its unit would keep
+    every model ever built alive, flat shards and all)."""
+    r = report["freed_after_del"]
+    assert r["fsdp2"], r  # the reference behaviour
+    assert r["ours"], "the model outlived its last reference"
+
+
+def test_fully_shard_twice_is_a_clear_error(report):
+    r = report["fully_shard_twice"]
+    assert r["fsdp2"]["raised"] and r["fsdp2"]["trains_after"], r["fsdp2"]  # the reference behaviour
+    assert r["ours"]["raised"] == "ValueError" and "once per module" in r["ours"]["message"], r["ours"]
+    assert r["ours"]["trains_after"], f"the failed call left the model broken:\n{r['ours'].get('traceback')}"
 
 
 def test_non_root_forward_first_raises(report):
