@@ -28,6 +28,7 @@ import subprocess
 import sys
 import time
 
+from backends import BACKENDS
 from fsdp_impl import overlap
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -43,6 +44,8 @@ WARMUP_STEPS = 2  # the first steps of a run, left out of its medians
 def split_row(row):
     """'custom_fsdp:prefetch=False' -> ('custom_fsdp', ['--prefetch=False']): a backend and its own settings."""
     backend, *settings = row.split(":")
+    if backend not in BACKENDS:  # (checked before anything runs, not when the row's turn comes)
+        raise ValueError(f"--backends: unknown backend '{backend}' in '{row}' (choose one of {', '.join(BACKENDS)})")
     for s in settings:
         if "=" not in s:
             raise ValueError(f"--backends: '{s}' in '{row}' is not key=value")
@@ -72,15 +75,22 @@ def run_dir(args, row, tag):
     return os.path.join(args.work_dir, re.sub(r"[^\w.-]", "_", row) + f"-{tag}")
 
 
+def at_step_ms(figures, step_ms):
+    """step_ms with the tokens/s and MFU of that step time (each is a constant over it): a median
+    of an even count averages two values, so medians of the three taken apart need not agree."""
+    scale = figures["step_ms"] / step_ms
+    return {"step_ms": step_ms, "tokens_per_sec": figures["tokens_per_sec"] * scale,
+            "mfu": None if figures["mfu"] is None else figures["mfu"] * scale}
+
+
 def summarize_run(rows):
     steps = [r for r in rows if "loss" in r][WARMUP_STEPS:]
     memory = {r["stage"]: r for r in rows if r.get("event") == "memory"}
     comm = next(r for r in rows if r.get("event") == "comm_per_step")
     end = memory["after last step"]
+    first = {"step_ms": steps[0]["dt_ms"], "tokens_per_sec": steps[0]["tokens_per_sec"], "mfu": steps[0]["mfu"]}
     return {
-        "step_ms": statistics.median(r["dt_ms"] for r in steps),
-        "tokens_per_sec": statistics.median(r["tokens_per_sec"] for r in steps),
-        "mfu": statistics.median(r["mfu"] for r in steps) if steps[0]["mfu"] is not None else None,
+        **at_step_ms(first, statistics.median(r["dt_ms"] for r in steps)),
         # the largest rank's peak over all training steps (CUDA max allocated, else RSS, which
         # can grow after the first step as the heap fragments), before the final checkpoint save
         "peak_mem_mb": end.get("max_allocated_mb", end["rss_mb"]),
@@ -102,7 +112,7 @@ def median_of(runs):
         if isinstance(values[0], dict):
             return {k: statistics.median(v[k] for v in values) for k in values[0]}
         return statistics.median(values)
-    return {k: median([r[k] for r in runs]) for k in runs[0]}
+    return {k: median([r[k] for r in runs]) for k in runs[0]} | at_step_ms(runs[0], median([r["step_ms"] for r in runs]))
 
 
 def fmt(value, base):

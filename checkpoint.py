@@ -214,8 +214,8 @@ def load_model_only(path, model):
 
 if __name__ == "__main__":
     from model import GPT, GPTConfig
-    if len(sys.argv) != 2:
-        raise SystemExit("usage: python checkpoint.py OUT_DIR   (writes OUT_DIR/ckpt.pt)")
+    if len(sys.argv) != 2 or sys.argv[1].startswith("-"):  # (-h, --help: not a folder)
+        raise SystemExit("usage: python checkpoint.py OUT_DIR   (writes OUT_DIR/ckpt.pt from its latest checkpoint)")
     try:
         ckpt, manifest = load_manifest(sys.argv[1])
     except CheckpointError as e:

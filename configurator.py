@@ -3,11 +3,13 @@ nanoGPT-style configuration: the script's globals are the config.
 
     python train.py config/train_shakespeare_char.py --batch_size=32 --compile=False
 
-Arguments without '--' are config files, exec'd in order; '--key=value' then overrides one
-global. Command-line values are parsed as Python literals when they can be (else kept as
-strings). Every value, from a file or the command line, must have the type of the script's
-default (an int is taken where a float is expected; a bool is not an int). Unknown keys are an
-error too: a typo must never silently train the wrong model.
+Arguments without '--' are config files, exec'd in order; then each '--key=value' overrides one
+global, wherever it stands on the command line (an override before a file is not undone by it).
+Command-line values are parsed as Python literals when they can be (else kept as strings); a
+setting whose default is a string takes the text as it is (--out_dir=123 is the folder '123').
+Every value, from a file or the command line, must have the type of the script's default (an
+int is taken where a float is expected; a bool is not an int). Unknown keys are an error too: a
+typo must never silently train the wrong model.
 """
 import json
 import os
@@ -67,15 +69,14 @@ def run_file(path):
 def apply(config, argv):
     """Update the dict `config` (a script's globals) from config files and --key=value args."""
     defaults = {k: v for k, v in config.items() if not k.startswith("_") and isinstance(v, (int, float, bool, str))}
-    for arg in argv:
-        if not arg.startswith("--"):
-            for key, value in run_file(arg).items():
-                if key in defaults:
-                    config[key] = typed(value, defaults[key], f"{key} in {arg}")
-                elif not (key.startswith("_") or isinstance(value, types.ModuleType) or callable(value)):
-                    fail(f"unknown config key '{key}' in {arg}")
-                # else: an import or helper the file uses, not a setting
-            continue
+    for arg in [a for a in argv if not a.startswith("--")]:
+        for key, value in run_file(arg).items():
+            if key in defaults:
+                config[key] = typed(value, defaults[key], f"{key} in {arg}")
+            elif not (key.startswith("_") or isinstance(value, types.ModuleType) or callable(value)):
+                fail(f"unknown config key '{key}' in {arg}")
+            # else: an import or helper the file uses, not a setting
+    for arg in [a for a in argv if a.startswith("--")]:
         key, sep, text = arg[2:].partition("=")
         if not sep:
             fail(f"expected --key=value, got '{arg}'")
@@ -85,4 +86,6 @@ def apply(config, argv):
             value = literal_eval(text)
         except (SyntaxError, ValueError):
             value = text  # a bare string such as --device=cpu
+        if isinstance(defaults[key], str) and not isinstance(value, str):
+            value = text  # --out_dir=123, --wandb_run_name=2024: the text is the string
         config[key] = typed(value, defaults[key], f"--{key}")

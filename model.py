@@ -169,11 +169,13 @@ class GPT(nn.Module):
         return flops_per_token * T * fwdbwd_per_iter / dt / peak_flops
 
     @torch.no_grad()
-    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None):
+    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, vocab_size=None):
+        """Sample max_new_tokens after idx. vocab_size: draw only ids below it, the tokenizer's (a
+        vocabulary padded for speed, as GPT-2's 50257 to 50304, has ids no tokenizer decodes)."""
         for _ in range(max_new_tokens):
             idx_cond = idx if idx.size(1) <= self.config.block_size else idx[:, -self.config.block_size:]
             logits, _ = self(idx_cond)
-            logits = logits[:, -1, :] / temperature
+            logits = logits[:, -1, :vocab_size] / temperature
             if top_k is not None:
                 v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
                 logits[logits < v[:, [-1]]] = -float("inf")

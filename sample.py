@@ -53,7 +53,7 @@ start = "\n"  # prompt; "FILE:prompt.txt" reads it from a file
 num_samples = 3
 max_new_tokens = 300
 temperature = 0.8
-top_k = 200
+top_k = 200  # draw from the k likeliest tokens at each step (0: from all)
 seed = 1337
 device = "cuda" if torch.cuda.is_available() else "cpu"
 configurator.apply(globals(), sys.argv[1:])
@@ -90,11 +90,13 @@ if data_config and os.path.exists(meta_path):
         return [stoi[c] for c in s]
 
     decode = lambda ids: "".join(itos[i] for i in ids)
+    vocab_size = len(itos)
 else:
     from data.gpt2_bpe import gpt2_encoding
     enc = gpt2_encoding()
     encode = lambda s: enc.encode(s, allowed_special={"<|endoftext|>"})
     decode = enc.decode
+    vocab_size = enc.n_vocab
 
 if start.startswith("FILE:"):
     try:
@@ -107,6 +109,6 @@ if start.startswith("FILE:"):
 x = torch.tensor(encode(start or "\n"), dtype=torch.long, device=device)[None, ...]
 with torch.no_grad():
     for _ in range(num_samples):
-        y = model.generate(x, max_new_tokens, temperature=temperature, top_k=top_k)
+        y = model.generate(x, max_new_tokens, temperature=temperature, top_k=top_k or None, vocab_size=vocab_size)
         print(decode(y[0].tolist()))
         print("---------------")

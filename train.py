@@ -148,6 +148,8 @@ for name in ("batch_size", "block_size", "gradient_accumulation_steps", "eval_in
         fail(f"{name}={globals()[name]} must be at least 1")
 if n_embd % n_head:
     fail(f"n_embd={n_embd} is not divisible by n_head={n_head}")
+if seed < 0:
+    fail(f"seed={seed} is negative (the data and the initialization take seeds from 0 up)")
 if decay_lr and not (warmup_iters < lr_decay_iters and min_lr <= learning_rate):
     fail(f"the learning-rate schedule needs warmup_iters < lr_decay_iters and min_lr <= learning_rate "
          f"(got {warmup_iters}, {lr_decay_iters}, {min_lr}, {learning_rate})")
@@ -171,7 +173,10 @@ torch.backends.cudnn.allow_tf32 = True
 data_dir = data_dir or os.path.join("data", dataset)
 for split in ("train", "val"):
     if not os.path.exists(os.path.join(data_dir, f"{split}.bin")):
-        fail(f"no {split}.bin in {data_dir}: run python data/{dataset}/prepare.py first")
+        fail(f"no {split}.bin in {data_dir}: run python data/{dataset or '<dataset>'}/prepare.py first")
+    tokens = os.path.getsize(os.path.join(data_dir, f"{split}.bin")) // 2  # (uint16)
+    if tokens <= block_size:
+        fail(f"{split}.bin in {data_dir} has {tokens:,} tokens: too few for block_size={block_size}")
 
 
 def get_batch(split, *key):

@@ -78,6 +78,21 @@ def test_summarize_run_fields_and_medians():
     assert bench.median_of(runs)["step_ms"] == 20.0 and bench.median_of(runs)["host_ms"]["optimizer"] == 2.0
 
 
+def test_tokens_per_sec_and_mfu_describe_the_median_step():
+    """With an even count the median averages the middle two: 20 and 40 ms give 30 ms, and the
+    median of 50 and 25 tokens/s (37.5) would not be 1000 / 30. Every figure is the median step's."""
+    rows = [{"iter": i, "loss": 1.0, "dt_ms": dt, "tokens_per_sec": 1000.0 / dt, "mfu": 0.6 / dt,
+             "host_ms": {}} for i, dt in enumerate([900.0, 500.0, 20.0, 40.0])]
+    rows += [{"event": "memory", "stage": "after last step", "rss_mb": 1.0, "params_mb": 0, "grads_mb": 0, "optim_mb": 0},
+             {"event": "comm_per_step", "all_gather_bytes": 0, "reduce_scatter_bytes": 0, "all_reduce_bytes": 0}]
+    s = bench.summarize_run(rows)
+    assert s["step_ms"] == 30.0
+    assert s["tokens_per_sec"] == pytest.approx(1000.0 / 30.0) and s["mfu"] == pytest.approx(0.6 / 30.0)
+    runs = [s, s | bench.at_step_ms(s, 60.0)]
+    m = bench.median_of(runs)
+    assert m["step_ms"] == 45.0 and m["tokens_per_sec"] == pytest.approx(1000.0 / 45.0) and m["mfu"] == pytest.approx(0.6 / 45.0)
+
+
 @pytest.mark.parametrize("cuda", [True, False])
 def test_table_prints_ratios_and_reserved_memory_on_cuda(cuda, capsys):
     def row(step_ms, peak, reserved, all_reduce_mb):

@@ -77,6 +77,17 @@ def test_the_command_line_overrides_a_file_value_of_the_right_type(defaults, tmp
     assert parse(defaults, write(tmp_path, "max_iters = 100\n"), "--max_iters=5")["max_iters"] == 5
 
 
+def test_an_override_before_a_config_file_still_wins(defaults, tmp_path):
+    """Files first, then overrides, wherever they stand: the file silently undid it before."""
+    config = parse(defaults, "--max_iters=5", write(tmp_path, "max_iters = 100\nbatch_size = 3\n"))
+    assert config["max_iters"] == 5 and config["batch_size"] == 3
+
+
+def test_a_string_setting_takes_text_that_looks_like_a_number(defaults):
+    config = parse(defaults, "--out_dir=123", "--wandb_run_name=2024", "--dataset='quoted'")
+    assert (config["out_dir"], config["wandb_run_name"], config["dataset"]) == ("123", "2024", "quoted")
+
+
 @pytest.mark.parametrize("text,words", [
     ("this is not python\n", ["NameError", "line 1"]),  # parses as `this is (not python)`
     ("x = (\n", ["not valid Python", "line 1"]),

@@ -8,6 +8,7 @@ import urllib.error
 import urllib.request
 
 import pytest
+import torch
 
 from conftest import REPO, clone_checkpoint, launch, one_error_line, run_train
 
@@ -66,11 +67,30 @@ def test_sample_starts_an_empty_prompt_from_a_newline(trained):
     assert res.stdout.startswith("\n") and len(res.stdout.split("---------------")[0]) > 1
 
 
+def test_generate_draws_no_padded_vocabulary_id():
+    """A vocabulary padded for speed (GPT-2's 50257 to 50304) has ids no tokenizer decodes: sample.py
+    passes the tokenizer's size, and generate() never draws above it (tiktoken raised a KeyError)."""
+    from model import GPT, GPTConfig
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=8, vocab_size=16)).eval()
+    idx = torch.zeros(1, 1, dtype=torch.long)
+    # a high temperature makes the draws near uniform: 6 in 16 land on the "padding" unless masked
+    padded = model.generate(idx, 40, temperature=100.0)[0, 1:]
+    assert (padded >= 10).any()  # so the check below can fail
+    assert (model.generate(idx, 40, temperature=100.0, vocab_size=10)[0, 1:] < 10).all()
+
+
 @pytest.mark.parametrize("start,fragments", [("{hello}", ["not in the vocabulary", ": '{}'"]),
                                               ("FILE:/no/such/prompt", ["cannot read /no/such/prompt"])])
 def test_sample_refuses_a_bad_prompt(trained, start, fragments):
     line = one_error_line(sample(trained[0], f"--start={start}"))
     assert all(f in line for f in fragments), line
+
+
+@pytest.mark.parametrize("args", [[], ["--help"], ["a", "b"]])
+def test_checkpoint_export_without_one_out_dir_prints_usage(args):
+    res = python(REPO / "checkpoint.py", *args)
+    assert res.returncode != 0 and res.stderr.startswith("usage: python checkpoint.py OUT_DIR"), res.describe()
 
 
 def test_sample_refuses_an_unreadable_ckpt_pt(tmp_path):
@@ -95,10 +115,12 @@ def test_overlap_refuses_a_bad_trace(tmp_path, content, problem):
     assert message.startswith("error:") and problem in message and str(trace) in message and "\n" not in message
 
 
-def test_bench_refuses_too_few_steps_before_running(tmp_path):
-    res = python(REPO / "bench.py", "--steps=2", f"--work_dir={tmp_path / 'work'}")
-    assert res.returncode == 2 and "--steps=2: at least 3" in res.stderr.splitlines()[-1], res.describe()
-    assert not (tmp_path / "work").exists()  # nothing ran
+@pytest.mark.parametrize("arg,named", [("--steps=2", "--steps=2: at least 3"),
+                                       ("--backends=ddp,custom_fdsp", "unknown backend 'custom_fdsp'")])
+def test_bench_refuses_bad_input_before_running(tmp_path, arg, named):
+    res = python(REPO / "bench.py", arg, f"--work_dir={tmp_path / 'work'}")
+    assert res.returncode == 2 and named in res.stderr.splitlines()[-1], res.describe()
+    assert not (tmp_path / "work").exists()  # nothing ran (ddp, listed first, did not)
 
 
 def load_script(path):
