@@ -61,6 +61,11 @@ def test_sample_takes_the_newer_of_ckpt_pt_and_latest(trained, tmp_path):
     assert from_pt.stdout == from_dcp.stdout and "loaded" not in from_dcp.stdout
 
 
+def test_sample_top_k_0_draws_from_every_token(trained):
+    res = sample(trained[0], "--top_k=0")
+    assert res.returncode == 0 and len(res.stdout.split("---------------")[0]) > 1, res.describe()
+
+
 def test_sample_starts_an_empty_prompt_from_a_newline(trained):
     res = sample(trained[0], "--start=")
     assert res.returncode == 0, res.describe()
