@@ -146,13 +146,21 @@ class _InputGradGate(torch.autograd.Function):
 def _gate_inputs(unit, args, kwargs):
     """Pass the inputs that require grad through one _InputGradGate (none require it: no gate)."""
     inputs = []
-    collect = lambda t: inputs.append(t) or t if t.requires_grad else t  # noqa: E731
-    _map_tensors(collect, args), _map_tensors(collect, kwargs) if kwargs else None
+
+    def collect(t):
+        if t.requires_grad:
+            inputs.append(t)
+        return t
+    _map_tensors(collect, args)
+    if kwargs:
+        _map_tensors(collect, kwargs)
     if not inputs:
         return args, kwargs
     unit.inputs_to_come += 1
     gated = iter(_InputGradGate.apply(unit, *inputs))
-    swap = lambda t: next(gated) if t.requires_grad else t  # noqa: E731
+
+    def swap(t):  # (the same walk, in the same order)
+        return next(gated) if t.requires_grad else t
     return _map_tensors(swap, args), _map_tensors(swap, kwargs) if kwargs else kwargs
 
 
