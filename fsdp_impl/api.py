@@ -84,6 +84,7 @@ def fully_shard(module, *, mesh=None, reshard_after_forward=None, mp_policy=Mixe
 _fsdp_classes = {}
 
 
+@torch.inference_mode(False)  # (a first forward may run under it: these tensors outlive it)
 def _lazy_init(root_module):
     """The first unit to run forward is the root: it gathers every unit below into one schedule."""
     units = {}  # unit -> its first module's path, in module order
@@ -118,19 +119,18 @@ def _cast(tree, dtype):
 def _pre_forward(module, args, kwargs):
     unit = module._fsdp_unit
     if unit.schedule is None:
-        with torch.inference_mode(False):  # the unit's buffers and unsharded parameters outlive this forward
-            _lazy_init(module)
-    starts_forward = unit.pre_forward()
+        _lazy_init(module)
+    needs_gate = unit.pre_forward()
     if unit.mp.param_dtype is not None and unit.mp.cast_forward_inputs:
         args, kwargs = _cast(args, unit.mp.param_dtype), _cast(kwargs, unit.mp.param_dtype) if kwargs else kwargs
-    if starts_forward and torch.is_grad_enabled():
+    if needs_gate and torch.is_grad_enabled():
         args, kwargs = _gate_inputs(unit, args, kwargs)
     return args, kwargs
 
 
 class _InputGradGate(torch.autograd.Function):
-    """Identity on the forward inputs of a unit; its backward tells the unit that their grads, and
-    so that forward's whole backward, are done (ShardedUnit.input_grads_ready)."""
+    """Identity on a unit's forward inputs. Its backward runs once their grads are computed, that
+    is once this forward's backward is over: it runs the unit's post-backward (as FSDP2's)."""
 
     @staticmethod
     def forward(ctx, unit, *inputs):
@@ -139,29 +139,29 @@ class _InputGradGate(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        ctx.unit.input_grads_ready()
+        ctx.unit.post_backward()
         return (None, *grads)
 
 
 def _gate_inputs(unit, args, kwargs):
-    """Pass the inputs that require grad through one _InputGradGate (none require it: no gate)."""
-    inputs = []
+    """The inputs that require grad, passed through one _InputGradGate: the positional and keyword
+    tensors; only if there are none, those inside containers (which are then rebuilt, as the cast
+    rebuilds them: a module appending to a list it was given would append to a copy). No input
+    requires grad (the root's token ids): no gate, and the end of backward runs its post-backward."""
+    def needs_grad(v):
+        return isinstance(v, torch.Tensor) and v.requires_grad
 
-    def collect(t):
-        if t.requires_grad:
-            inputs.append(t)
-        return t
-    _map_tensors(collect, args)
-    if kwargs:
-        _map_tensors(collect, kwargs)
-    if not inputs:
+    tensors = [v for v in (*args, *kwargs.values()) if needs_grad(v)]
+    if tensors:
+        gated = iter(_InputGradGate.apply(unit, *tensors))
+        return (tuple(next(gated) if needs_grad(v) else v for v in args),
+                {k: next(gated) if needs_grad(v) else v for k, v in kwargs.items()})
+    inner = []
+    _map_tensors(lambda t: inner.append(t) if needs_grad(t) else None, (args, kwargs))  # (collects only)
+    if not inner:
         return args, kwargs
-    unit.inputs_to_come += 1
-    gated = iter(_InputGradGate.apply(unit, *inputs))
-
-    def swap(t):  # (the same walk, in the same order)
-        return next(gated) if t.requires_grad else t
-    return _map_tensors(swap, args), _map_tensors(swap, kwargs) if kwargs else kwargs
+    gated = iter(_InputGradGate.apply(unit, *inner))
+    return _map_tensors(lambda t: next(gated) if needs_grad(t) else t, (args, kwargs))
 
 
 def _post_forward(module, args, output):

@@ -8,9 +8,10 @@ Schedule: the root's view of a training step, shared by all units under one root
   Explicit lists set with set_modules_to_{forward,backward}_prefetch override the recorded order.
 - At most one reduce-scatter is in flight: a unit finishes the previous one before issuing its
   own, so it overlaps exactly one unit's backward and unsharded grads never pile up.
-- An autograd callback at the end of backward runs the post-backward of units whose hooks did
-  not fire (parameters unused in this step) and waits for every pending reduction, so the
-  sharded .grads are complete when backward() returns.
+- An autograd callback at the end of backward runs the post-backward of units whose gate did
+  not fire (no input that requires grad, such as the root's token ids; a unit unused in this
+  step) and waits for every pending reduction, so the sharded .grads are complete when
+  backward() returns.
 - The buffer pool: unit-sized buffers reused across units within a step (CPU only).
 - Gathered parameters never outlive an optimizer step, which changes the shards they copy: a
   prefetch nobody used, or a unit left unsharded, is dropped before any step (a global hook).
@@ -146,7 +147,6 @@ class Schedule:
         for unit in self.units:
             unit.all_reduce_kept_sums()
             unit.training_state = "idle"
-            unit.inputs_to_come = 0  # (gates of a forward that had no backward)
             if unit.state == GATHERING:  # a prefetch nothing used (reentrant checkpointing's recompute)
                 unit.reshard()
         self.buffers.clear()

@@ -25,7 +25,6 @@ The layout is exactly FSDP2's, so with the same collective the numbers are the s
 State machine: SHARDED -> GATHERING (all-gather in flight) -> UNSHARDED -> SHARDED.
 """
 import math
-import weakref
 
 import torch
 import torch.nn as nn
@@ -36,14 +35,6 @@ from . import comm
 from .comm import ledger, profiled
 
 SHARDED, GATHERING, UNSHARDED = "sharded", "gathering", "unsharded"
-
-
-def _grad_ready_hook(unit):
-    """The post-accumulate-grad hook of a unit's parameters. It holds the unit by a weak reference:
-    the garbage collector does not follow references from a tensor's hooks, so a bound method
-    there would keep the unit, its parameters and so the whole model alive forever."""
-    unit = weakref.ref(unit)
-    return lambda param: unit()._on_grad_ready(param)
 
 
 def _set_param(module, name, param):
@@ -113,9 +104,7 @@ class ShardedUnit:
         self.state = SHARDED
         self.schedule = None
         self.training_state = "idle"  # idle | forward | pre_backward
-        self.grads_to_come = 0
-        self.inputs_to_come = 0  # gated forward inputs whose grads are not computed yet (api.py)
-        self.needs_post_backward = False
+        self.needs_post_backward = False  # a forward with grad ran: its backward will bring grads
         self.holds_unreduced_grads = False  # accumulated with gradient sync off, not yet reduce-scattered
         self._gather = None  # (work, output, input) while GATHERING
         self._full_memory = None  # from buffers.fill(flat_full), for buffers.drain()
@@ -206,9 +195,7 @@ class ShardedUnit:
         for ps in self.params:
             start = ps.offset * self.world
             view = self.flat_full[start:start + math.prod(ps.shape)].view(ps.shape)
-            # the hook stays through requires_grad_() changes, which _sync_requires_grad mirrors
-            ps.unsharded = nn.Parameter(view, requires_grad=True)
-            ps.unsharded.register_post_accumulate_grad_hook(_grad_ready_hook(self))
+            ps.unsharded = nn.Parameter(view, requires_grad=True)  # (_sync_requires_grad mirrors the sharded one)
         # each parameter's padded full tensor as [W, rows per rank * row numel]: the copy-out targets
         self._full_slots = [self.flat_full[ps.offset * self.world:(ps.offset + ps.padded_numel) * self.world]
                             .view(self.world, -1) for ps in self.params]
@@ -316,7 +303,6 @@ class ShardedUnit:
         self._end_phase_range()
         self.training_state = "idle"
         self.needs_post_backward = False
-        self.inputs_to_come = 0
         self.holds_unreduced_grads = False
         self._partial_reduction = None
         for ps in self.params:
@@ -326,13 +312,13 @@ class ShardedUnit:
 
     # ---- hooks' bodies (called from api.py) ----------------------------------------------
     def pre_forward(self):
-        """Gather for forward; True if this starts the unit's forward (api.py then gates its inputs)."""
+        """Gather for forward. True if this forward will need its own post-backward (api.py then
+        gates its inputs): the unit's first module starts, or a recomputation runs after the
+        unit's post-backward (reentrant checkpointing, several forwards before one backward)."""
         if self.training_state == "pre_backward" and not self.needs_post_backward:
-            # a recomputation (reentrant checkpointing) after this unit's post-backward ran and
-            # resharded it: gather again and expect the grads its nested backward will produce
             self.wait_unshard()
-            self._expect_grads()
-            return False
+            self.needs_post_backward = True
+            return True
         if self.training_state != "idle":
             # "forward": a later module of a grouped unit; "pre_backward": activation
             # checkpointing recomputes inside backward. Either way the unit is already gathered.
@@ -349,13 +335,10 @@ class ShardedUnit:
 
     def _sync_requires_grad(self):
         """requires_grad_() is called on the sharded parameters (those the user and the optimizer
-        hold): mirror it on the unsharded ones, and count the gradients to wait for."""
-        self.n_grad_params = 0
+        hold): mirror it on the unsharded ones."""
         for ps in self.params:
-            wanted = ps.sharded.requires_grad
-            if ps.unsharded.requires_grad != wanted:
-                ps.unsharded.requires_grad_(wanted)
-            self.n_grad_params += wanted
+            if ps.unsharded.requires_grad != ps.sharded.requires_grad:
+                ps.unsharded.requires_grad_(ps.sharded.requires_grad)
 
     def post_forward(self, grad_enabled):
         if self.training_state == "pre_backward":
@@ -367,17 +350,14 @@ class ShardedUnit:
             self.reshard()
         self.training_state = "idle"
         if grad_enabled:
-            self._expect_grads()
-
-    def _expect_grads(self):
-        self.needs_post_backward = True
-        self.grads_to_come = self.n_grad_params
+            self.needs_post_backward = True
 
     def pre_backward(self):
-        if self.training_state == "pre_backward":
-            return
+        if self.training_state == "pre_backward" and self.needs_post_backward:
+            return  # another output of the same forward
+        # (after this unit's post-backward, a unit called twice: the other call's backward comes)
         self.training_state = "pre_backward"
-        self._expect_grads()  # again, if an earlier backward through the same graph (retain_graph) took them
+        self.needs_post_backward = True  # also when an earlier backward through this graph took the grads
         self.schedule.queue_end_of_backward()
         self.wait_unshard()
         for unit in self.schedule.backward_prefetch(self):
@@ -389,22 +369,11 @@ class ShardedUnit:
         comm.end_range(self._phase_range)
         self._phase_range = None
 
-    def _on_grad_ready(self, param):
-        self.grads_to_come -= 1
-        if self.grads_to_come == 0 and self.inputs_to_come <= 0:
-            self.post_backward()
-
-    def input_grads_ready(self):
-        """The grads of a forward's inputs are computed: that forward's backward is over. Counting
-        the parameters' grads is not enough on its own: under reentrant checkpointing a parameter
-        used twice gets grads in two backward passes, so the count can run out before the last."""
-        self.inputs_to_come -= 1
-        if self.inputs_to_come <= 0 and self.grads_to_come <= 0:
-            self.post_backward()
-
     @torch.no_grad()
     def post_backward(self):
-        """All grads of this unit are in: reduce-scatter them (or keep accumulating), then reshard."""
+        """A forward's backward is over (its inputs' grads are computed: api.py's gate), or the whole
+        backward is (the end-of-backward callback): reduce-scatter the grads (or keep accumulating
+        them), then reshard."""
         if not self.needs_post_backward and not (self.requires_grad_sync and self.holds_unreduced_grads):
             return
         self.needs_post_backward = False
@@ -508,4 +477,4 @@ class ShardedUnit:
                 # __init__ that does nothing, behind two Python wrappers
                 ps.sharded.grad = DTensor.__new__(DTensor, local, ps.sharded._spec, requires_grad=False)
             else:
-                ps.sharded.grad._local_tensor.add_(local)  # (to_local() is an autograd node too)
+                ps.sharded.grad.to_local().add_(local)

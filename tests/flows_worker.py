@@ -35,6 +35,7 @@ from torch.utils.checkpoint import checkpoint
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from fsdp_impl import MixedPrecisionPolicy as OurMixedPrecision  # noqa: E402
 from fsdp_impl import fully_shard as our_fully_shard  # noqa: E402
+from fsdp_impl.comm import ledger  # noqa: E402
 
 warnings.filterwarnings("ignore")  # FSDP2's and checkpoint's advisory warnings would bury a traceback
 
@@ -366,6 +367,20 @@ def reused_layer_checkpointed_twice(impl, mesh):
     return train(build(impl, mesh, reuse="checkpointed_twice"))
 
 
+def reused_layer_retain_graph(impl, mesh):
+    def fwd_bwd(model, s):  # the second pass over the graph brings its grads in two passes again
+        loss = model(data(s))
+        loss.backward(retain_graph=True)
+        loss.backward()
+    return train(build(impl, mesh, reuse="checkpointed_then_outside"), fwd_bwd)
+
+
+def reused_layer_whole_block_checkpointed_two_forwards(impl, mesh):
+    def fwd_bwd(model, s):  # the blocks' second recomputations run after their post-backward
+        (model(data(s)) + model(data(s, k=1))).backward()
+    return train(build(impl, mesh, reentrant=True, reuse="outside_then_checkpointed"), fwd_bwd)
+
+
 def inference_mode_forward(impl, mesh, first_step_too):
     def fwd_bwd(model, s):  # an evaluation under inference_mode, then training goes on
         if s > 0 or first_step_too:
@@ -392,12 +407,19 @@ def dtype_changed_after_fully_shard(impl, mesh):
     return train(model, fwd_bwd)
 
 
-def unshard_before_each_forward(impl, mesh):
+def unshard_before_each_forward(impl, mesh, inference_mode=False):
     def fwd_bwd(model, s):  # a hand prefetch of the first block, from the very first step on
-        handle = model.blocks[0].unshard(async_op=True)
-        handle.wait()
+        if impl != "plain":
+            with torch.inference_mode(inference_mode):
+                handle = model.blocks[0].unshard(async_op=True)
+            handle.wait()
         plain_step(model, s)
     return train(build(impl, mesh), fwd_bwd)
+
+
+def unshard_under_inference_mode_before_each_forward(impl, mesh):
+    # the model's lazy initialization then runs under inference_mode: FSDP2 fails there
+    return unshard_before_each_forward(impl, mesh, inference_mode=True)
 
 
 HSDP_FLOWS = [hsdp_kept_sums_lack_the_units_last_module, hsdp_kept_sums_lack_the_units_first_module,
@@ -418,14 +440,18 @@ FLOWS = [retain_graph, autograd_grad_then_backward, partial_no_grad_forward_befo
          forward_pre_hook_registered_before_fully_shard, bf16_first_grad_in_the_sync_micro_step, *HSDP_FLOWS,
          reused_layer_outside_then_checkpointed, reused_layer_checkpointed_then_outside,
          reused_layer_checkpointed_twice, inference_mode_forward_between_steps, inference_mode_first_forward,
-         dtype_changed_after_fully_shard, unshard_before_each_forward]
+         dtype_changed_after_fully_shard, unshard_before_each_forward,
+         unshard_under_inference_mode_before_each_forward, reused_layer_retain_graph,
+         reused_layer_whole_block_checkpointed_two_forwards]
 REFERENCE = {flow: "fsdp2" for flow in FLOWS} | {
     partial_no_grad_forward_before_step_explicit_prefetch: "plain", reset_after_exception_in_backward: "plain",
-    reentrant_checkpoint_two_forwards: "plain", inference_mode_first_forward: "plain"} | {flow: "plain" for flow in HSDP_FLOWS}
+    reentrant_checkpoint_two_forwards: "plain", inference_mode_first_forward: "plain",
+    unshard_under_inference_mode_before_each_forward: "plain",
+    reused_layer_whole_block_checkpointed_two_forwards: "plain"} | {flow: "plain" for flow in HSDP_FLOWS}
 # The plain model adds a block's gradients from the two recomputations before averaging over the
 # ranks; we reduce each recomputation's gradients as it finishes and add the averages: the same
 # sum in another order, so equal to rounding (FSDP2 is off by about 1 here: it loses a share).
-TOLERANCE = {reentrant_checkpoint_two_forwards: 1e-6}
+TOLERANCE = {reentrant_checkpoint_two_forwards: 1e-6, reused_layer_whole_block_checkpointed_two_forwards: 1e-6}
 
 
 def non_root_forward_first(impl, mesh):
@@ -464,6 +490,30 @@ def freed_after_del(impl, mesh):
     del model
     gc.collect()
     return alive() is None
+
+
+def list_argument_and_dropped_forward(impl, mesh):
+    """A unit given (x, a list it appends to): how many entries the caller's own list got (the gate
+    must not hand the module a copy). Then, ours only (the ledger): after a forward with grad whose
+    output is dropped, the order of each unit's backward start and end in the next training step."""
+    class Collecting(Block):
+        def forward(self, x, found):
+            found.append(len(found))
+            return super().forward(x)
+    torch.manual_seed(0)
+    probe = Collecting()
+    SHARD[impl](probe, mesh=mesh)
+    found = []
+    probe(torch.randn(2, D, requires_grad=True), found).sum().backward()
+    rec = {"list_entries": len(found)}
+    if impl == "ours":
+        model = build(impl, mesh)
+        model(data(0))  # grad on, no backward: dropped
+        ledger.reset(record_events=True)
+        model(data(1)).backward()
+        rec["order"] = [f"{e}:{u}" for e, u in ledger.events if e in ("backward", "backward_end")]
+        ledger.reset()
+    return rec
 
 
 def fully_shard_twice(impl, mesh):
@@ -529,7 +579,7 @@ def main():
     dist.init_process_group("gloo")
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     result = {flow.__name__: compare(flow, mesh) for flow in FLOWS}
-    for check in (grouped_unit_output_dtypes, freed_after_del, fully_shard_twice):
+    for check in (grouped_unit_output_dtypes, freed_after_del, fully_shard_twice, list_argument_and_dropped_forward):
         result[check.__name__] = {impl: check(impl, mesh) for impl in ("fsdp2", "ours")}
     # The last flow can kill the process (fsdp_impl segfaulted there). The other flows' results are
     # written first, then again with this flow's record: after a crash the report lacks it (and the

@@ -13,7 +13,9 @@ parameter whose first gradient comes in the synchronizing micro-step of an accum
 with the all-reduce off in one micro-step and on in the next, parts of a unit skipped; a layer used
 twice in a block under reentrant checkpointing (its grads come in two backward passes), an
 inference_mode forward between steps and as the first forward, module.double() after
-fully_shard, and a block's unshard() before each step's forward (the first included). More checks: every module of a grouped unit returns its output in output_dtype, a
+fully_shard, a block's unshard() before each step's forward (the first included; also under
+inference_mode), and the reused layer with retain_graph and with two forwards of whole-block
+reentrant checkpointing. More checks: every module of a grouped unit returns its output in output_dtype, a
 model is freed once dropped, fully_shard twice on one module is a clear error that changes nothing,
 and a block run before the root's first forward is rejected with a RuntimeError, as FSDP2 does.
 
@@ -49,7 +51,9 @@ FLOWS = ["retain_graph", "autograd_grad_then_backward", "partial_no_grad_forward
          "hsdp_all_reduce_micro_step_skips_a_module", "hsdp_all_reduce_micro_step_skips_the_unit",
          "reused_layer_outside_then_checkpointed", "reused_layer_checkpointed_then_outside",
          "reused_layer_checkpointed_twice", "inference_mode_forward_between_steps", "inference_mode_first_forward",
-         "dtype_changed_after_fully_shard", "unshard_before_each_forward"]
+         "dtype_changed_after_fully_shard", "unshard_before_each_forward",
+         "unshard_under_inference_mode_before_each_forward", "reused_layer_retain_graph",
+         "reused_layer_whole_block_checkpointed_two_forwards"]
 
 
 @pytest.fixture(scope="module")
@@ -88,6 +92,18 @@ def test_model_is_freed_once_dropped(report):
     r = report["freed_after_del"]
     assert r["fsdp2"], r  # the reference behaviour
     assert r["ours"], "the model outlived its last reference"
+
+
+def test_the_input_gate_keeps_containers_and_overlap(report):
+    """The gate on a unit's inputs (which runs its post-backward) does not hand the module a copy of
+    a list argument, and a forward whose output was dropped leaves no stale gate behind: in the
+    next step each block still reduce-scatters before the next block's backward starts."""
+    r = report["list_argument_and_dropped_forward"]
+    assert r["fsdp2"]["list_entries"] == 1, r  # the reference behaviour
+    assert r["ours"]["list_entries"] == 1, "the module appended to a copy of the caller's list"
+    expected = ["backward:root"] + [f"{e}:blocks.{i}" for i in (2, 1, 0) for e in ("backward", "backward_end")] \
+        + ["backward_end:root"]
+    assert r["ours"]["order"] == expected, r["ours"]["order"]
 
 
 def test_fully_shard_twice_is_a_clear_error(report):
