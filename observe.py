@@ -4,6 +4,9 @@ per step, the training thread's CPU time per phase of a step, profiler traces an
 snapshots of a few steps. train.py owns one Observer.
 
     --profile=True          Chrome/Perfetto traces, one per rank: out_dir/traces/<backend>/rank<R>.json
+                            of the run's steps PROFILE_STEPS, each a ProfilerStep#<step> range
+                            holding that training step alone (evaluation and checkpointing
+                            fall between the ranges); fsdp_impl.overlap reports per range.
     --memory_snapshot=True  CUDA: torch.cuda.memory history, out_dir/memory/rank<R>.pickle (open it
                             at pytorch.org/memory_viz); CPU: a trace with every allocation and the
                             memory in use as a counter track, rank<R>.json (open it in Perfetto).
@@ -21,7 +24,7 @@ import torch.distributed as dist
 
 from fsdp_impl import comm
 
-PROFILE_STEPS = (2, 5)  # iterations [2, 5) after the first of the run: past warm-up, few enough
+PROFILE_STEPS = (2, 5)  # the run's steps [2, 5), counting from 0: past warm-up, few enough
 
 
 def rss_mb():
@@ -107,6 +110,7 @@ class Observer:
         self.out_dir, self.backend_name, self.rank, self.device = out_dir, backend_name, rank, device
         self.cuda = device.startswith("cuda")
         self.profiler, self.memory_snapshot = None, memory_snapshot
+        self.step_range = None  # the open ProfilerStep range of a profiled step
         self.profile = profile
         self.steps = 0
         self.host_ms = {}  # this step's CPU time of the training thread per phase
@@ -145,20 +149,26 @@ class Observer:
         return torch.cuda.max_memory_allocated() / 2**20 if self.cuda else rss_mb()
 
     def before_step(self):
-        """Start tracing or memory history when the profiled window begins."""
+        """Open a profiled step when the window holds it (the first one starts the profiler).
+        train.py calls this before it starts the step's clock and after_step() after it stops
+        it: the profiler's start and the export are in no logged step time, and each
+        ProfilerStep range holds one training step, not the evaluation and checkpoint that
+        come before the next."""
         self.host_ms = {}
         if self.steps == PROFILE_STEPS[0] and self.memory_snapshot and self.cuda:
             torch.cuda.memory._record_memory_history(max_entries=200_000)
-        # the profiler starts one step early: that warm-up step opens the first ProfilerStep range
-        if self.steps == PROFILE_STEPS[0] - 1 and (self.profile or (self.memory_snapshot and not self.cuda)):
+        if self.steps == PROFILE_STEPS[0] and (self.profile or (self.memory_snapshot and not self.cuda)):
             acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if self.cuda else [])
             mem = self.memory_snapshot and not self.cuda
-            # the schedule makes each step a ProfilerStep#N range, which fsdp_impl.overlap reads;
-            # its active window outlasts ours, so the results are exported once, in finish()
-            self.profiler = torch.profiler.profile(
-                activities=acts, schedule=torch.profiler.schedule(wait=0, warmup=1, active=1_000_000),
-                record_shapes=mem, profile_memory=mem, with_stack=mem)
+            # no schedule: its ProfilerStep ranges would run from one step() to the next, through
+            # whatever lies between two steps; ours are opened and closed around each step (and
+            # the profiler's start-up, which the schedule's warm-up step absorbed, is outside both)
+            self.profiler = torch.profiler.profile(activities=acts, record_shapes=mem, profile_memory=mem,
+                                                   with_stack=mem)
             self.profiler.start()
+        if self.profiler is not None:  # (the range name is the one fsdp_impl.overlap reads)
+            self.step_range = torch.profiler.record_function(f"ProfilerStep#{self.steps}")
+            self.step_range.__enter__()
 
     def _path(self, *parts):
         path = os.path.join(self.out_dir, *parts)
@@ -166,14 +176,24 @@ class Observer:
         return path
 
     def after_step(self):
+        """Close the profiled step; at the window's end, write what was recorded."""
+        if self.step_range is not None:
+            self.step_range.__exit__(None, None, None)
+            self.step_range = None
         self.steps += 1
         if self.steps == PROFILE_STEPS[1]:
-            self.finish()  # (stepping first would open one more, empty, ProfilerStep range)
-        elif self.profiler is not None:
-            self.profiler.step()
+            self.finish()
 
     def finish(self):
-        """Write what was recorded (also when the run ended inside the window)."""
+        """Write what was recorded (also when the run ended inside the window), or say in one
+        line that a run too short to reach the window recorded nothing. (Its first steps are
+        not traced in its place: they carry one-time costs, the compilation with compile=True,
+        and would pass for typical steps.)"""
+        asked = [f"--{k}=True" for k in ("profile", "memory_snapshot") if getattr(self, k)]
+        if asked and self.steps <= PROFILE_STEPS[0] and self.rank == 0:
+            print(f"{' and '.join(asked)}: nothing recorded: this run trained {self.steps} step(s), and the "
+                  f"recorded ones are its steps {PROFILE_STEPS[0]}-{PROFILE_STEPS[1] - 1} (counting from 0): "
+                  f"train at least {PROFILE_STEPS[0] + 1}", flush=True)
         if self.profiler is not None:
             self.profiler.stop()
             paths = ([self._path("traces", self.backend_name, f"rank{self.rank}.json")] if self.profile else []) + \

@@ -378,11 +378,11 @@ while True:
                 print(f"saved checkpoint at iteration {iter_num} to {out_dir}")
     if iter_num >= max_iters or eval_only:
         break
+    obs.before_step()  # (before the clock: the profiler, when its window opens, starts outside the step)
     t0 = time.time()  # the step's time: not the evaluation and checkpoint above, which are not training
 
     # one optimizer step over the global batch: this rank's micro-batches, gradients
     # communicated on the last one only
-    obs.before_step()
     comm.take()  # drop what evaluation and checkpointing issued
     loss_sum = torch.zeros((), device=device)
     with obs.host_time("forward_backward"):
@@ -438,9 +438,9 @@ while True:
     optimizer.zero_grad(set_to_none=True)
     if trim_heap_each_step:
         trim_malloc_heap()
-    obs.after_step()
-
     dt = time.time() - t0
+    obs.after_step()  # (after the clock: the trace, at the window's end, is written outside the step)
+
     if master:
         mfu = gpt.estimate_mfu(local_steps * batch_size, dt, peak_flops)
         row = dict(iter=iter_num, loss=loss_mean, grad_norm=grad_norm, lr=lr, dt_ms=dt * 1000,

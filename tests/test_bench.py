@@ -10,7 +10,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import bench  # noqa: E402
-from conftest import REPO, launch, run_train  # noqa: E402
+from conftest import REPO, TINY, launch, run_train  # noqa: E402
 from fsdp_impl import overlap  # noqa: E402
 
 
@@ -259,6 +259,60 @@ def test_train_writes_traces_memory_reports_and_a_memory_trace(char_data, tmp_pa
     assert memory[2]["grads_mb"] <= memory[2]["params_mb"]
     # AdamW: two moments per parameter (plus a 4-byte step counter each)
     assert memory[-1]["optim_mb"] == pytest.approx(2 * memory[-1]["params_mb"], abs=1e-3)
+
+
+CHECKPOINT_COLLECTIVES = {"c10d::barrier", "c10d::broadcast_", "c10d::scatter_", "c10d::gather_"}  # DCP's save
+
+
+@pytest.mark.parametrize("backend", ["ddp", "fsdp", "custom_fsdp"])
+def test_profiled_steps_hold_training_steps_only_and_enclose_their_logged_time(backend, char_data, tmp_path):
+    """Steps 2-4 are profiled, with an evaluation and a checkpoint save at iteration 3 between
+    steps 2 and 3: each ProfilerStep#k range holds iteration k's forward/backward/optimizer only
+    (its micro-batches' losses, no checkpoint collectives), the evaluation and save lie in the
+    trace outside every range, and each step's logged dt_ms lies inside its range, so the trace's
+    export (after the window's last step) is in no step's time."""
+    res = run_train(tmp_path, 2, f"--data_dir={char_data}", *TINY, "--max_iters=6", "--eval_interval=3",
+                    f"--dist_backend={backend}", "--profile=True")
+    assert res.returncode == 0, res.describe()
+    local_steps, evals_per_split = 4 // 2, 1  # gradient_accumulation_steps=4 on 2 ranks; eval_iters=2
+    dt_ms = {r["iter"]: r["dt_ms"] for r in map(json.loads, (tmp_path / "metrics.jsonl").open()) if "dt_ms" in r}
+    for rank in (0, 1):
+        path = tmp_path / "traces" / backend / f"rank{rank}.json"
+        events = [e for e in json.loads(path.read_text())["traceEvents"] if e.get("ph") == "X"]
+        steps = sorted((e for e in events if e["name"].startswith("ProfilerStep#")), key=lambda e: e["ts"])
+        assert [s["name"] for s in steps] == ["ProfilerStep#2", "ProfilerStep#3", "ProfilerStep#4"]
+        main = [e for e in events if e["tid"] == steps[0]["tid"]]  # the training thread
+        for s in steps:
+            names = [e["name"] for e in main if s["ts"] <= e["ts"] < s["ts"] + s["dur"]]
+            assert names.count("aten::cross_entropy_loss") == local_steps  # one per micro-batch: no evaluation
+            assert names.count("Optimizer.step#AdamW.step") == 1
+            assert not CHECKPOINT_COLLECTIVES & set(names)
+        between = [e["name"] for e in main if not any(s["ts"] <= e["ts"] < s["ts"] + s["dur"] for s in steps)]
+        assert between.count("aten::cross_entropy_loss") == 2 * evals_per_split  # iteration 3's evaluation
+        assert CHECKPOINT_COLLECTIVES <= set(between)  # and its save
+        if rank == 0:  # (rank 0 logs): the clocks of time.time() and the profiler may differ by far under 0.5 ms
+            for s in steps:
+                assert dt_ms[int(s["name"].split("#")[1])] <= s["dur"] / 1e3 + 0.5, (s, dt_ms)
+    cli = subprocess.run([sys.executable, "-m", "fsdp_impl.overlap", str(tmp_path / "traces" / backend / "rank0.json")],
+                         cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert cli.returncode == 0, cli.stderr
+    assert [line.split(":")[0].strip() for line in cli.stdout.splitlines()[1:]] == \
+        ["ProfilerStep#2", "ProfilerStep#3", "ProfilerStep#4"]
+
+
+@pytest.mark.parametrize("max_iters,recorded", [(2, []), (3, ["ProfilerStep#2"])])
+def test_a_run_shorter_than_the_profiled_window_says_so_or_traces_what_it_reached(max_iters, recorded, char_data,
+                                                                                 tmp_path):
+    res = run_train(tmp_path, None, f"--data_dir={char_data}", *TINY, f"--max_iters={max_iters}", "--profile=True")
+    assert res.returncode == 0, res.describe()
+    notes = [line for line in res.stdout.splitlines() if "nothing recorded" in line]
+    trace = tmp_path / "traces" / "ddp" / "rank0.json"
+    if not recorded:
+        assert len(notes) == 1 and "--profile=True" in notes[0] and "trained 2 step(s)" in notes[0], res.stdout
+        assert not trace.exists()
+    else:
+        assert not notes
+        assert [r["step"] for r in overlap.analyse(overlap.load(trace))] == recorded
 
 
 def test_comm_benchmark_times_every_collective_with_consistent_bandwidth(tmp_path):
