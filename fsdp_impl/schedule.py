@@ -142,7 +142,7 @@ class Schedule:
 
     def end_of_backward(self):
         for unit in self.units:
-            unit.post_backward()  # no-op for units whose grads all arrived
+            unit.post_backward()  # no-op for units whose gate ran it already
         self.finish_reductions()
         for unit in self.units:
             unit.all_reduce_kept_sums()

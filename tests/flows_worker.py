@@ -93,6 +93,7 @@ class Net(nn.Module):
         self.blocks = nn.ModuleList([Block(dataclass_output, reuse) for _ in range(3)])
         self.out = nn.Linear(D, 1)
         self.dataclass_input, self.reentrant, self.skip, self.mute = dataclass_input, reentrant, (), ()
+        self.twice = ()  # indices of blocks applied twice in a row (a unit called twice per forward)
 
     def forward(self, x):
         x = self.inp(x)  # x requires grad from here on, as reentrant checkpointing needs
@@ -102,6 +103,8 @@ class Net(nn.Module):
             x = Out(x.float()) if self.dataclass_input else x  # (fp32: a bf16 unit must cast inside it)
             y = checkpoint(block, x, use_reentrant=True) if self.reentrant else block(x)
             y = y.h if isinstance(y, Out) else y
+            if i in self.twice:
+                y = block(y)
             x = x + 0 * (y - x) if i in self.mute else y
         return self.out(x.to(self.out.weight.dtype)).sum()  # (a no-op but under a block's output_dtype)
 
@@ -381,6 +384,13 @@ def reused_layer_whole_block_checkpointed_two_forwards(impl, mesh):
     return train(build(impl, mesh, reentrant=True, reuse="outside_then_checkpointed"), fwd_bwd)
 
 
+def unit_called_twice_per_forward(impl, mesh):
+    # each call's backward reduces its unit (the first call's in a gather made again), as FSDP2 does
+    model = build(impl, mesh)
+    model.twice = (1,)
+    return train(model)
+
+
 def inference_mode_forward(impl, mesh, first_step_too):
     def fwd_bwd(model, s):  # an evaluation under inference_mode, then training goes on
         if s > 0 or first_step_too:
@@ -442,7 +452,7 @@ FLOWS = [retain_graph, autograd_grad_then_backward, partial_no_grad_forward_befo
          reused_layer_checkpointed_twice, inference_mode_forward_between_steps, inference_mode_first_forward,
          dtype_changed_after_fully_shard, unshard_before_each_forward,
          unshard_under_inference_mode_before_each_forward, reused_layer_retain_graph,
-         reused_layer_whole_block_checkpointed_two_forwards]
+         reused_layer_whole_block_checkpointed_two_forwards, unit_called_twice_per_forward]
 REFERENCE = {flow: "fsdp2" for flow in FLOWS} | {
     partial_no_grad_forward_before_step_explicit_prefetch: "plain", reset_after_exception_in_backward: "plain",
     reentrant_checkpoint_two_forwards: "plain", inference_mode_first_forward: "plain",
