@@ -61,17 +61,18 @@ def _glibc(function):
 
 
 def set_malloc_mmap_threshold(mb):
-    """CPU memory: buffers of `mb` MB and more get their own mapping, returned to the OS when freed.
+    """CPU memory: buffers of `mb` MB and more get their own mapping, and the heap keeps up to 8x
+    `mb` of freed memory at its top instead of handing it back to the OS. train.py's default is
+    32, glibc's largest mmap threshold.
 
-    glibc raises its threshold (up to 32 MB) each time it frees a mapped buffer, after which
-    freed multi-MB buffers (gradients, gathered parameters, optimizer temporaries) stay in its
-    heap: at 47M parameters a threshold of 4 MB lowered FSDP2's peak per process from 1,331 to
-    912 MB, both with malloc_trim (gloo's all-gather allocates a fresh output-sized buffer per
-    call). custom_fsdp's did not move (905 MB): it allocates no fresh unit-sized buffers. It
-    costs a page fault per fresh page: FSDP2's step went from 1.25x to 1.95x DDP's, ours about
-    20% relative to DDP, so train.py leaves it off by default. It also freezes the trim
-    threshold at 128 KB, which would hand the heap's top back and fault it in again every step:
-    keep 8x `mb` there. Linux/glibc only; elsewhere (and with 0) a no-op.
+    glibc's own behaviour (0 here) raises its mmap threshold to the largest mapped buffer it has
+    freed and trims the heap's top once twice that is free. Where that buffer was a few MB, the
+    activations a step frees at the top of the heap go back to the OS, and the next step faults
+    them in again inside its matrix products: thousands of page faults per step (IMPLEMENTATION.md,
+    "Page faults"). A low `mb` trades the other way: at 47M parameters 4 lowered FSDP2's peak per
+    process from 1,331 to 912 MB (with malloc_trim; gloo's all-gather allocates a fresh
+    output-sized buffer per call) and took its step from 1.25x to 1.95x DDP's, faulting in every
+    fresh buffer. Linux/glibc only; elsewhere (and with 0) a no-op.
     """
     mallopt = _glibc("mallopt")
     if mb <= 0 or mallopt is None:

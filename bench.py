@@ -102,6 +102,7 @@ def summarize_run(rows):
         "loss": [r["loss"] for r in rows if "loss" in r][-1],
         # the training thread's CPU time per phase (train.py's host_ms): on a GPU, the host's own work
         "host_ms": {p: statistics.median(r["host_ms"].get(p, 0.0) for r in steps) for p in HOST_PHASES},
+        "page_faults": statistics.median(r["page_faults"] for r in steps),  # rank 0's process, per step
     }
 
 
@@ -139,7 +140,8 @@ def print_table(table):
         print(" | ".join([b.ljust(width)] + [fmt(row[k], first[k]).rjust(20) for k, _ in cols] + [hidden.rjust(7), mfu.rjust(6)]))
     for b, row in table.items():
         print(f"{b}: training-thread CPU ms per step: " + ", ".join(
-            f"{p} {fmt(row['host_ms'][p], first['host_ms'][p])}" for p in HOST_PHASES))
+            f"{p} {fmt(row['host_ms'][p], first['host_ms'][p])}" for p in HOST_PHASES)
+            + f"; page faults per step {row['page_faults']:,.0f}")
     if "ddp" in table:
         print("ddp's gradient all-reduces run inside its C++ reducer, which the counter does not see: "
               "per step they move the gradient bytes once (with AdamW, a quarter of its params+grads+optim MB).")

@@ -1,7 +1,7 @@
 """
 What a run costs, for any backend: memory at the stages users look at, collectives counted
-per step, the training thread's CPU time per phase of a step, profiler traces and memory
-snapshots of a few steps. train.py owns one Observer.
+per step, the training thread's CPU time per phase of a step, the page faults of a step, profiler
+traces and memory snapshots of a few steps. train.py owns one Observer.
 
     --profile=True          Chrome/Perfetto traces, one per rank: out_dir/traces/<backend>/rank<R>.json
                             of the run's steps PROFILE_STEPS, each a ProfilerStep#<step> range
@@ -29,6 +29,12 @@ PROFILE_STEPS = (2, 5)  # the run's steps [2, 5), counting from 0: past warm-up,
 
 def rss_mb():
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+
+
+def minor_page_faults():
+    """Pages this process has touched for the first time (or again, after handing them back to the
+    OS) since it started. Each costs the kernel a fault, inside whatever operator wrote there."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
 def local_tensor(t):
@@ -114,6 +120,7 @@ class Observer:
         self.profile = profile
         self.steps = 0
         self.host_ms = {}  # this step's CPU time of the training thread per phase
+        self.page_faults, self._faults_before = 0, 0  # this step's minor page faults (the process's)
 
     @contextmanager
     def host_time(self, phase):
@@ -169,6 +176,7 @@ class Observer:
         if self.profiler is not None:  # (the range name is the one fsdp_impl.overlap reads)
             self.step_range = torch.profiler.record_function(f"ProfilerStep#{self.steps}")
             self.step_range.__enter__()
+        self._faults_before = minor_page_faults()  # (after the profiler's start, as the step's clock)
 
     def _path(self, *parts):
         path = os.path.join(self.out_dir, *parts)
@@ -177,6 +185,7 @@ class Observer:
 
     def after_step(self):
         """Close the profiled step; at the window's end, write what was recorded."""
+        self.page_faults = minor_page_faults() - self._faults_before
         if self.step_range is not None:
             self.step_range.__exit__(None, None, None)
             self.step_range = None

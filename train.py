@@ -84,7 +84,7 @@ device = "cuda" if torch.cuda.is_available() else "cpu"  # 'cpu', 'cuda', 'cuda:
 dtype = "bfloat16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "float32"
 compile = False
 malloc_trim = False  # CPU: return glibc's freed heap pages to the OS after every step (less RSS, slower)
-malloc_mmap_threshold_mb = 0  # CPU: >0 fixes glibc's mmap threshold (less RSS, slower; see backends.py)
+malloc_mmap_threshold_mb = 32  # CPU: buffers below this from glibc's heap, kept between steps (0: glibc's own; see backends.py)
 # observability (see observe.py)
 profile = False  # Chrome traces of a few steps under out_dir/traces/<dist_backend>/
 memory_snapshot = False  # CUDA memory history of a few steps (CPU: their allocations, in a trace)
@@ -444,7 +444,8 @@ while True:
     if master:
         mfu = gpt.estimate_mfu(local_steps * batch_size, dt, peak_flops)
         row = dict(iter=iter_num, loss=loss_mean, grad_norm=grad_norm, lr=lr, dt_ms=dt * 1000,
-                   tokens_per_sec=tokens_per_iter / dt, mfu=mfu, peak_mem_mb=obs.peak_mb(), host_ms=obs.host_ms)
+                   tokens_per_sec=tokens_per_iter / dt, mfu=mfu, peak_mem_mb=obs.peak_mb(), host_ms=obs.host_ms,
+                   page_faults=obs.page_faults)
         log_metrics(**row)
         if wandb_log:
             wandb.log({"iter": iter_num, "train/loss_step": loss_mean, "grad_norm": grad_norm,
