@@ -33,7 +33,7 @@ class BufferPool:
     at 4 or 8 blocks), not a fresh allocation per unit and micro-step, and it keeps them from
     step to step. On CPU that matters: glibc serves such buffers from its heap and fragments
     it, or, above its mmap threshold (32 MB at most), maps each fresh one, hands it back when
-    it is freed and page-faults it in again (about 16% of a step at 100M parameters, where a
+    it is freed and page-faults it in again (13% of a step at 101M parameters, where a
     block is 50 MB). Kept buffers are memory the step needs again at once; the peak is in
     backward, where they are all in use. CUDA's caching allocator already does this job, so on
     CUDA buffers pass straight through.
