@@ -98,6 +98,17 @@ class BackendError(ValueError):
     """Bad settings: train.py prints the message as one line and exits non-zero."""
 
 
+def _cpp_compiler_found():
+    """Whether torch.compile finds the C++ compiler it builds CPU kernels with (g++, or $CXX). Without
+    one it fails only at the first step, in a long traceback."""
+    from torch._inductor import cpp_builder, exc
+    try:
+        cpp_builder.get_cpp_compiler()
+        return True
+    except exc.InvalidCxxCompiler:
+        return False
+
+
 def make_backend(name, cfg):
     if name not in BACKENDS:
         raise BackendError(f"unknown dist_backend '{name}' (choose one of {', '.join(BACKENDS)})")
@@ -117,6 +128,9 @@ class Backend:
         self.world_size = dist.get_world_size() if dist.is_initialized() else 1
         if cfg["cpu_offload"] and self.device.type != "cuda":
             raise BackendError("cpu_offload needs a CUDA device: on CPU the parameters already live in CPU memory")
+        if cfg["compile"] and self.device.type == "cpu" and not _cpp_compiler_found():
+            raise BackendError("compile=True on CPU needs a C++ compiler (torch.compile builds its CPU kernels with "
+                               "g++, or the one $CXX names): install one, or set --compile=False")
 
     def autocast(self):
         return nullcontext()

@@ -4,7 +4,7 @@ Side-by-side cost of the backends on the same model and data, from one command.
     python bench.py --backends=ddp,fsdp,custom_fsdp --nproc=2 [--repeats=3] [--steps=12] [train.py --key=value ...]
     python bench.py --backends=custom_fsdp,custom_fsdp:prefetch=False ...   one backend, two settings
     python bench.py --sweep [--backends=...]     per-rank memory and step time at world sizes 1, 2, 4
-    python bench.py --comm --nproc=2             all-gather / reduce-scatter time and bus bandwidth by size
+    python bench.py --comm --nproc=2 [--comm_mb=1,4,16,64,256]   collective time and bus bandwidth by size
 
 Each backend runs train.py under torchrun; runs are interleaved (A B C A B C ...) so drift on a
 noisy machine hits every backend alike. Figures are medians over steps (the first two, which
@@ -198,9 +198,9 @@ def sweep(args, extra):
     return {"sweep": out}
 
 
-def comm_worker():
+def comm_worker(sizes_mb):
     """Under torchrun: time all-gather and reduce-scatter (the library's and fsdp_impl's) and
-    all-reduce (DDP's) by message size on this process group."""
+    all-reduce (DDP's) by message size (MB of the full buffer) on this process group."""
     import torch
     import torch.distributed as dist
     from fsdp_impl import comm
@@ -210,7 +210,7 @@ def comm_worker():
     w, rank = dist.get_world_size(), dist.get_rank()
     device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if cuda else torch.device("cpu")
     rows = []
-    for mb in (1, 4, 16, 64, 256):
+    for mb in sizes_mb:
         numel = mb * 2**20 // 4
         full = torch.zeros(numel - numel % w, device=device)
         shard = torch.zeros(full.numel() // w, device=device)
@@ -241,7 +241,7 @@ def comm_worker():
 
 def bench_comm(args):
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                           f"--nproc_per_node={args.nproc}", __file__, "--comm-worker"],
+                           f"--nproc_per_node={args.nproc}", __file__, "--comm-worker", args.comm_mb],
                           env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True)
     if proc.returncode:
         raise SystemExit(f"error: comm benchmark failed:\n{proc.stderr[-3000:]}")
@@ -254,7 +254,7 @@ def bench_comm(args):
 
 def main():
     if "--comm-worker" in sys.argv:
-        return comm_worker()
+        return comm_worker([int(mb) for mb in sys.argv[sys.argv.index("--comm-worker") + 1].split(",")])
     p = argparse.ArgumentParser(description=__doc__.split("\n")[1], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--backends", default="ddp,fsdp,custom_fsdp")
     p.add_argument("--nproc", type=int, default=2)
@@ -262,6 +262,7 @@ def main():
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--sweep", action="store_true")
     p.add_argument("--comm", action="store_true")
+    p.add_argument("--comm_mb", default="1,4,16,64,256", help="--comm: full buffer sizes in MB, comma-separated")
     p.add_argument("--work_dir", default="bench_out")
     p.add_argument("--json", default=None)
     # one world-size-1 GPU has no communication to expose, and a profiled compile run takes a minute
@@ -276,6 +277,8 @@ def main():
             split_row(row)
     except ValueError as e:
         p.error(str(e))
+    if not re.fullmatch(r"[1-9]\d*(,[1-9]\d*)*", args.comm_mb):
+        p.error(f"--comm_mb={args.comm_mb}: sizes in whole MB, comma-separated (1,4,16)")
     if args.steps < WARMUP_STEPS + 1 and not args.comm:
         p.error(f"--steps={args.steps}: at least {WARMUP_STEPS + 1} (the first {WARMUP_STEPS}, warm-up, are not timed)")
     result = bench_comm(args) if args.comm else sweep(args, extra) if args.sweep else bench_backends(args, extra)

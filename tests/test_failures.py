@@ -279,6 +279,14 @@ def test_impossible_settings_are_refused(args, tmp_path, setting, named):
     assert named in one_error_line(launch(cmd, timeout=120))
 
 
+def test_compile_without_a_cpp_compiler_is_one_line(args, tmp_path):
+    """torch.compile on CPU builds C++ kernels: with no compiler it failed at the first step, in a
+    traceback of several screens."""
+    cmd = launcher(None) + [REPO / "train.py", f"--out_dir={tmp_path / 'out'}", *args, "--device=cpu", "--compile=True"]
+    line = one_error_line(launch(cmd, timeout=120, env={"CXX": str(tmp_path / "no-such-c++")}))
+    assert "compile=True on CPU needs a C++ compiler" in line and "--compile=False" in line
+
+
 @pytest.fixture(scope="module")
 def saved(args, tmp_path_factory):
     out = tmp_path_factory.mktemp("saved")

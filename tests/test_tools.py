@@ -121,7 +121,8 @@ def test_overlap_refuses_a_bad_trace(tmp_path, content, problem):
 
 
 @pytest.mark.parametrize("arg,named", [("--steps=2", "--steps=2: at least 3"),
-                                       ("--backends=ddp,custom_fdsp", "unknown backend 'custom_fdsp'")])
+                                       ("--backends=ddp,custom_fdsp", "unknown backend 'custom_fdsp'"),
+                                       ("--comm_mb=1,4.5", "--comm_mb=1,4.5: sizes in whole MB")])
 def test_bench_refuses_bad_input_before_running(tmp_path, arg, named):
     res = python(REPO / "bench.py", arg, f"--work_dir={tmp_path / 'work'}")
     assert res.returncode == 2 and named in res.stderr.splitlines()[-1], res.describe()
