@@ -63,7 +63,8 @@ def _glibc(function):
 def set_malloc_mmap_threshold(mb):
     """CPU memory: buffers of `mb` MB and more get their own mapping, and the heap keeps up to 8x
     `mb` of freed memory at its top instead of handing it back to the OS. train.py's default is
-    32, glibc's largest mmap threshold.
+    32: where glibc's own dynamic threshold stops rising, and the most older glibc (HEAP_MAX_SIZE / 2
+    on 64-bit) accepts.
 
     glibc's own behaviour (0 here) raises its mmap threshold to the largest mapped buffer it has
     freed and trims the heap's top once twice that is free. Where that buffer was a few MB, the
@@ -71,13 +72,15 @@ def set_malloc_mmap_threshold(mb):
     them in again inside its matrix products: thousands of page faults per step (IMPLEMENTATION.md,
     "Page faults"). A low `mb` trades the other way: at 47M parameters 4 lowered FSDP2's peak per
     process from 1,331 to 912 MB (with malloc_trim; gloo's all-gather allocates a fresh
-    output-sized buffer per call) and took its step from 1.25x to 1.95x DDP's, faulting in every
-    fresh buffer. Linux/glibc only; elsewhere (and with 0) a no-op.
+    output-sized buffer per call) and took its step from 1.25x (glibc's own thresholds, then the
+    default) to 1.95x DDP's, faulting in every fresh buffer. FSDP2 alone steps 4-7% faster with 0
+    than with 32. Linux/glibc only; elsewhere (and with 0) a no-op.
     """
     mallopt = _glibc("mallopt")
     if mb <= 0 or mallopt is None:
         return False
     M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # from glibc's malloc.h
+    mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
     return bool(mallopt(M_MMAP_THRESHOLD, int(mb * 2**20)) and mallopt(M_TRIM_THRESHOLD, int(8 * mb * 2**20)))
 
 
@@ -105,7 +108,7 @@ def _cpp_compiler_found():
     try:
         cpp_builder.get_cpp_compiler()
         return True
-    except exc.InvalidCxxCompiler:
+    except (exc.InvalidCxxCompiler, OSError):
         return False
 
 

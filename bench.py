@@ -141,7 +141,7 @@ def print_table(table):
     for b, row in table.items():
         print(f"{b}: training-thread CPU ms per step: " + ", ".join(
             f"{p} {fmt(row['host_ms'][p], first['host_ms'][p])}" for p in HOST_PHASES)
-            + f"; page faults per step {row['page_faults']:,.0f}")
+            + f"; rank 0's page faults per step {row['page_faults']:,.0f}")
     if "ddp" in table:
         print("ddp's gradient all-reduces run inside its C++ reducer, which the counter does not see: "
               "per step they move the gradient bytes once (with AdamW, a quarter of its params+grads+optim MB).")
@@ -262,7 +262,7 @@ def main():
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--sweep", action="store_true")
     p.add_argument("--comm", action="store_true")
-    p.add_argument("--comm_mb", default="1,4,16,64,256", help="--comm: full buffer sizes in MB, comma-separated")
+    p.add_argument("--comm_mb", default=None, help="--comm: full buffer sizes in MB, comma-separated (1,4,16,64,256)")
     p.add_argument("--work_dir", default="bench_out")
     p.add_argument("--json", default=None)
     # one world-size-1 GPU has no communication to expose, and a profiled compile run takes a minute
@@ -277,6 +277,10 @@ def main():
             split_row(row)
     except ValueError as e:
         p.error(str(e))
+    if args.comm_mb is not None and not args.comm:
+        p.error("--comm_mb sets the message sizes of --comm, which this run does not ask for")
+    if args.comm_mb is None:
+        args.comm_mb = "1,4,16,64,256"
     if not re.fullmatch(r"[1-9]\d*(,[1-9]\d*)*", args.comm_mb):
         p.error(f"--comm_mb={args.comm_mb}: sizes in whole MB, comma-separated (1,4,16)")
     if args.steps < WARMUP_STEPS + 1 and not args.comm:

@@ -32,8 +32,9 @@ def rss_mb():
 
 
 def minor_page_faults():
-    """Pages this process has touched for the first time (or again, after handing them back to the
-    OS) since it started. Each costs the kernel a fault, inside whatever operator wrote there."""
+    """Minor page faults since this process started: pages mapped without disk I/O (fresh anonymous
+    pages, or ones handed back to the OS and touched again; file pages already cached count too).
+    Each costs the kernel a fault, inside whatever operator touched the page."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 

@@ -148,6 +148,9 @@ for name in ("batch_size", "block_size", "gradient_accumulation_steps", "eval_in
         fail(f"{name}={globals()[name]} must be at least 1")
 if n_embd % n_head:
     fail(f"n_embd={n_embd} is not divisible by n_head={n_head}")
+if not 0 <= malloc_mmap_threshold_mb <= 32:
+    fail(f"malloc_mmap_threshold_mb={malloc_mmap_threshold_mb} is outside 0..32 (0 keeps glibc's own; "
+         f"older glibc refuses more than 32)")
 if seed < 0:
     fail(f"seed={seed} is negative (the data and the initialization take seeds from 0 up)")
 if decay_lr and not (warmup_iters < lr_decay_iters and min_lr <= learning_rate):

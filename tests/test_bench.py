@@ -346,6 +346,7 @@ def test_observer_counts_the_page_faults_of_a_step(tmp_path):
     """train.py's page_faults: the pages a step touched afresh. A step that writes a new 64 MB
     mapping faults in each of its 16,384 pages; one that allocates nothing faults (almost) none."""
     import mmap
+    import torch
     import observe
     obs = observe.Observer(str(tmp_path), "ddp", 0, "cpu", profile=False, memory_snapshot=False)
     obs.before_step()
@@ -353,7 +354,7 @@ def test_observer_counts_the_page_faults_of_a_step(tmp_path):
     quiet = obs.page_faults
     obs.before_step()
     fresh = mmap.mmap(-1, 64 * 2**20)
-    fresh.write(b"x" * (64 * 2**20))
+    torch.frombuffer(fresh, dtype=torch.uint8).fill_(1)  # (in place: a 64 MB bytes object would fault too)
     obs.after_step()
     assert quiet < 1000 and obs.page_faults >= 16384, (quiet, obs.page_faults)
     fresh.close()

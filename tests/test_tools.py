@@ -122,9 +122,10 @@ def test_overlap_refuses_a_bad_trace(tmp_path, content, problem):
 
 @pytest.mark.parametrize("arg,named", [("--steps=2", "--steps=2: at least 3"),
                                        ("--backends=ddp,custom_fdsp", "unknown backend 'custom_fdsp'"),
-                                       ("--comm_mb=1,4.5", "--comm_mb=1,4.5: sizes in whole MB")])
+                                       ("--comm --comm_mb=1,4.5", "--comm_mb=1,4.5: sizes in whole MB"),
+                                       ("--comm_mb=1,4", "--comm_mb sets the message sizes of --comm")])
 def test_bench_refuses_bad_input_before_running(tmp_path, arg, named):
-    res = python(REPO / "bench.py", arg, f"--work_dir={tmp_path / 'work'}")
+    res = python(REPO / "bench.py", *arg.split(), f"--work_dir={tmp_path / 'work'}")
     assert res.returncode == 2 and named in res.stderr.splitlines()[-1], res.describe()
     assert not (tmp_path / "work").exists()  # nothing ran (ddp, listed first, did not)
 
