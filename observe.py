@@ -25,10 +25,22 @@ import torch.distributed as dist
 from fsdp_impl import comm
 
 PROFILE_STEPS = (2, 5)  # the run's steps [2, 5), counting from 0: past warm-up, few enough
+# dense tensor-core peaks in FLOP/s: (bf16 or fp16, TF32, which float32 matmuls run on with
+# allow_tf32); the PCIe H100 before the SXM one, whose name it contains
+PEAK_FLOPS = (("A100", 312e12, 156e12), ("H100 PCIe", 756e12, 378e12), ("H100", 989e12, 494.5e12),
+              ("H200", 989e12, 494.5e12))
 
 
 def rss_mb():
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+
+
+def peak_flops(device_name, dtype):
+    """What MFU divides by: the device's peak for matmuls in `dtype`, or None where unknown (CPU)."""
+    for name, half, tf32 in PEAK_FLOPS:
+        if name in device_name:
+            return tf32 if dtype == "float32" else half
+    return None
 
 
 def minor_page_faults():

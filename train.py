@@ -327,10 +327,7 @@ def get_lr(it):
     return min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (learning_rate - min_lr)
 
 
-peak_flops = None
-if device_type == "cuda":
-    name = torch.cuda.get_device_name()
-    peak_flops = next((f for k, f in (("A100", 312e12), ("H100", 989e12), ("H200", 989e12)) if k in name), None)
+peak_flops = observe.peak_flops(torch.cuda.get_device_name(), dtype) if device_type == "cuda" else None
 
 os.makedirs(out_dir, exist_ok=True)
 # eval_only's rows go beside the training run's, not among them

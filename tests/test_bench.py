@@ -79,6 +79,17 @@ def test_summarize_run_fields_and_medians():
     assert bench.median_of(runs)["step_ms"] == 20.0 and bench.median_of(runs)["host_ms"]["optimizer"] == 2.0
 
 
+@pytest.mark.parametrize("device,dtype,peak", [
+    ("NVIDIA H100 80GB HBM3", "bfloat16", 989e12), ("NVIDIA H100 80GB HBM3", "float32", 494.5e12),
+    ("NVIDIA H100 PCIe", "bfloat16", 756e12), ("NVIDIA H200", "float16", 989e12),
+    ("NVIDIA A100-SXM4-40GB", "float32", 156e12), ("NVIDIA GeForce RTX 4090", "bfloat16", None)])
+def test_mfu_divides_by_the_peak_of_the_runs_dtype(device, dtype, peak):
+    """float32 matmuls run on TF32 tensor cores, at half the bf16 peak: against the bf16 peak
+    an fp32 run's MFU read half what it was. An unlisted device has no MFU rather than a guess."""
+    import observe
+    assert observe.peak_flops(device, dtype) == peak
+
+
 def test_tokens_per_sec_and_mfu_describe_the_median_step():
     """With an even count the median averages the middle two: 20 and 40 ms give 30 ms, and the
     median of 50 and 25 tokens/s (37.5) would not be 1000 / 30. Every figure is the median step's."""
