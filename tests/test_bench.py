@@ -120,8 +120,8 @@ def test_table_prints_ratios_and_reserved_memory_on_cuda(cuda, capsys):
     assert ("8,550.0 (0.90x)" in ours) == cuda
     assert "(2.00x)" not in ours  # no ratio between two figures that print as 0.0
     assert base_host == ("ddp: training-thread CPU ms per step: forward_backward 10.0 (1.00x), clip 0.5 (1.00x), "
-                         "optimizer 3.0 (1.00x); page faults per step 3,000")
-    assert our_host.endswith("forward_backward 9.5 (0.95x), clip 0.5 (1.00x), optimizer 2.7 (0.90x); page faults per step 2,700")
+                         "optimizer 3.0 (1.00x); rank 0's page faults per step 3,000")
+    assert our_host.endswith("forward_backward 9.5 (0.95x), clip 0.5 (1.00x), optimizer 2.7 (0.90x); rank 0's page faults per step 2,700")
     assert ddp_note.startswith("ddp's gradient all-reduces")
 
 
