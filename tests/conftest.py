@@ -57,18 +57,23 @@ def launch(cmd, timeout, cwd=REPO, env=None):
     return RunResult(proc.returncode, out, err)
 
 
-def launcher(nproc):
-    """python for one process (nproc 0/None), torchrun --standalone for nproc >= 1."""
+def launcher(nproc, torchrun=False):
+    """python for one process (nproc 0/None); for nproc >= 1 tests/spawn.py, which starts the
+    processes as torchrun --standalone does without its seconds of start-up, or with
+    torchrun=True torchrun itself (for the tests of what torchrun adds: restarts, teardown, its
+    failure report)."""
     if not nproc:
         return [sys.executable]
-    torchrun = shutil.which("torchrun")
-    base = [torchrun] if torchrun else [sys.executable, "-m", "torch.distributed.run"]
+    if not torchrun:
+        return [sys.executable, REPO / "tests" / "spawn.py", str(nproc)]
+    found = shutil.which("torchrun")
+    base = [found] if found else [sys.executable, "-m", "torch.distributed.run"]
     return base + ["--standalone", f"--nproc_per_node={nproc}"]
 
 
-def run_train(tmp_out, nproc, *args, timeout=300, env=None):
+def run_train(tmp_out, nproc, *args, timeout=300, env=None, torchrun=False):
     """train.py with out_dir=tmp_out on the CPU; returns RunResult(returncode, stdout, stderr)."""
-    cmd = launcher(nproc) + [REPO / "train.py", f"--out_dir={tmp_out}", "--device=cpu", *args]
+    cmd = launcher(nproc, torchrun) + [REPO / "train.py", f"--out_dir={tmp_out}", "--device=cpu", *args]
     return launch(cmd, timeout, env=env)
 
 

@@ -1,7 +1,7 @@
 """
 fsdp_impl against PyTorch's FSDP2 in unusual training flows, on CPU with gloo at 2 ranks.
 
-tests/flows_worker.py is launched once (torchrun) and writes a JSON report; the tests below assert
+tests/flows_worker.py is launched once (tests/spawn.py) and writes a JSON report; the tests below assert
 on it. Each flow trains an fsdp_impl model and a reference built from the same seed on the same
 data for a few AdamW steps: two backward passes over one forward (retain_graph, autograd.grad then
 backward), a no_grad forward of one block between backward and the optimizer step (with the default

@@ -1,7 +1,7 @@
 """
 fsdp_impl against PyTorch's FSDP2, on CPU with gloo, at 1, 2, 3 and 4 ranks.
 
-tests/fsdp_worker.py does the distributed work: it is launched once per world size (torchrun,
+tests/fsdp_worker.py does the distributed work: it is launched once per world size (tests/spawn.py,
 cached for the session) and writes a JSON report; the tests below assert on it.
 
 Tolerance: every comparison is bitwise. Both implementations run the same kernels on the same
@@ -34,7 +34,7 @@ _results = {}
 
 
 def _launch(world, out_dir):
-    """Run the worker under torchrun (conftest.launch kills its process group on timeout)."""
+    """Run the worker on `world` processes (conftest.launch kills its process group on timeout)."""
     out = out_dir / f"fsdp_w{world}.json"
     t0 = time.perf_counter()
     res = launch(launcher(world) + [WORKER, out], timeout=LAUNCH_TIMEOUT_S)

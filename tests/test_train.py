@@ -3,7 +3,7 @@ train.py end to end on the CPU (gloo), with a tiny model: backend parity, world-
 exact resume, cross-backend resume, communication only on the last micro-step, torch.compile,
 bad input, and metrics.jsonl.
 
-Every torchrun launch costs seconds, so runs are made once by module-scoped fixtures and shared
+Every launch costs seconds, so runs are made once by module-scoped fixtures and shared
 by the tests that read them.
 """
 import json
