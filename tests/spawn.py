@@ -33,12 +33,13 @@ def main():
     workers = [subprocess.Popen(cmd, env=dict(base, RANK=str(r), LOCAL_RANK=str(r))) for r in range(nproc)]
     # our own SIGTERM (a test tearing the launcher down) goes on to the workers
     signal.signal(signal.SIGTERM, lambda *_: stop(workers, 143))
-    code = 0
-    while code == 0 and any(w.poll() is None for w in workers):
-        code = next((w.returncode for w in workers if w.returncode), 0)
+    while True:
+        codes = [w.poll() for w in workers]  # (every one: the first to fail need not be rank 0)
+        failed = [c for c in codes if c not in (None, 0)]
+        if failed or None not in codes:
+            break
         time.sleep(0.05)
-    code = code or next((w.returncode for w in workers if w.returncode), 0)
-    stop(workers, code)
+    stop(workers, failed[0] if failed else 0)
 
 
 def stop(workers, code):

@@ -167,3 +167,30 @@ def test_openwebtext_offline_says_pass_a_local_copy(tmp_path, monkeypatch):
     with pytest.raises(SystemExit) as exit_:
         prepare.main()
     assert str(exit_.value).startswith("error: Couldn't reach 'openwebtext'") and "--dataset PATH" in str(exit_.value)
+
+
+RANK_SCRIPT = """
+import os, pathlib, sys, time
+rank, here = int(os.environ["RANK"]), pathlib.Path(__file__).parent
+env = [os.environ[k] for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT")]
+os.write(1, (" ".join(env) + "\\n").encode())  # (one write: the ranks share the pipe)
+(here / f"ready{rank}").touch()
+if rank == int(sys.argv[1]):
+    while len(list(here.glob("ready*"))) < 3:  # (the others have printed before it fails)
+        time.sleep(0.01)
+    sys.exit(3)
+time.sleep(120 if int(sys.argv[1]) >= 0 else 0)
+"""
+
+
+@pytest.mark.parametrize("failing_rank", [-1, 0, 2])
+def test_spawn_gives_ranks_torchruns_environment_and_stops_them_when_one_fails(tmp_path, failing_rank):
+    """tests/spawn.py, the tests' launcher: each rank its RANK, one WORLD_SIZE and MASTER_PORT; a
+    rank that fails (not only rank 0) stops the others at once and sets the exit code."""
+    script = tmp_path / "rank.py"
+    script.write_text(RANK_SCRIPT)
+    res = python(REPO / "tests" / "spawn.py", "3", script, str(failing_rank))
+    rows = sorted(line.split() for line in res.stdout.splitlines())
+    assert [r[:3] for r in rows] == [["0", "0", "3"], ["1", "1", "3"], ["2", "2", "3"]], res.describe()
+    assert len({r[3] for r in rows}) == 1
+    assert res.returncode == (0 if failing_rank < 0 else 3), res.describe()  # (not the 120 s sleep's end)
