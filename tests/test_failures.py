@@ -73,22 +73,24 @@ def args(tiny_args):
     return [*tiny_args, "--gradient_accumulation_steps=4", "--eval_interval=4", "--max_iters=12"]
 
 
+def trained(tmp_path_factory, name, nproc, *args):
+    """The out_dir of a custom_fsdp run that must succeed: a module fixture's reference."""
+    out = tmp_path_factory.mktemp(name)
+    res = run_train(out, nproc, *args, "--dist_backend=custom_fsdp")
+    assert res.returncode == 0, res.describe()
+    return out
+
+
 @pytest.fixture(scope="module")
 def unbroken(args, tmp_path_factory):
     """The reference: custom_fsdp at world size 2, 12 iterations without a failure."""
-    out = tmp_path_factory.mktemp("unbroken")
-    res = run_train(out, 2, *args, "--dist_backend=custom_fsdp")
-    assert res.returncode == 0, res.describe()
-    return losses(out)
+    return losses(trained(tmp_path_factory, "unbroken", 2, *args))
 
 
 @pytest.fixture(scope="module")
 def one_node_w4(args, tmp_path_factory):
     """custom_fsdp at world size 4 from one launcher, 4 iterations: what the multi-node runs match."""
-    out = tmp_path_factory.mktemp("one_node_w4")
-    res = run_train(out, 4, *args, "--max_iters=4", "--dist_backend=custom_fsdp")
-    assert res.returncode == 0, res.describe()
-    return out
+    return trained(tmp_path_factory, "one_node_w4", 4, *args, "--max_iters=4")
 
 
 def test_two_launchers_as_two_nodes_match_one_launcher(args, one_node_w4, tmp_path):
@@ -308,10 +310,7 @@ def test_compile_without_a_cpp_compiler_is_one_line(args, tmp_path):
 
 @pytest.fixture(scope="module")
 def saved(args, tmp_path_factory):
-    out = tmp_path_factory.mktemp("saved")
-    res = run_train(out, 2, *args, "--dist_backend=custom_fsdp", "--max_iters=4")
-    assert res.returncode == 0, res.describe()
-    return out
+    return trained(tmp_path_factory, "saved", 2, *args, "--max_iters=4")
 
 
 def test_resume_rejects_a_different_model_shape(args, saved):
