@@ -406,12 +406,14 @@ class ShardedUnit:
         with profiled(f"fsdp::reduce_scatter {self.name}"):
             ledger.log("reduce_scatter", self.name)
             numel = sum(ps.padded_numel for ps in params)
-            rs_output = torch.empty(numel, dtype=self.reduce_dtype, device=self.compute_device)
             # one rank: the reduction is the identity, so its input is its output (no copy)
-            rs_input = rs_output if self.world == 1 else \
-                self.schedule.buffers.take(self.world * numel, self.reduce_dtype)
+            rs_input = self.schedule.buffers.take(self.world * numel, self.reduce_dtype) if self.world > 1 \
+                else torch.empty(numel, dtype=self.reduce_dtype, device=self.compute_device)
             torch._chunk_cat(grads, dim=0, num_chunks=self.world, out=rs_input.view(self.world, -1))
             grads.clear()  # the unsharded gradients are freed here
+            # the output, which outlives the step as the sharded grads, only now (FSDP2's order too):
+            # allocated before, it was one shard more at the peak, beside the unsharded grads
+            rs_output = rs_input.new_empty(numel) if self.world > 1 else rs_input
             work = comm.reduce_scatter(rs_output, rs_input, self.shard_group)
             self._reduction = (work, rs_input, rs_output, params)
             self.schedule.pending_reductions.append(self)

@@ -539,8 +539,21 @@ def memory_checks(world, mesh1d):
     res["api_async_unshard"] = h0._fsdp_unit.state == "unsharded"
     h0.reshard()
     res["pool"] = {n_layer: pool_checks(rank, mesh1d, n_layer) for n_layer in (4, 8)}
+    res["reduce_scatter_net_bytes"] = reduce_scatter_net_bytes(rank, mesh1d)
     res["collective_allocations"] = collective_allocations(world)
     return res
+
+
+def profiled_events(fn):
+    """The profiler's trace events (with CPU allocations and frees, '[memory]') while fn runs."""
+    with torch.profiler.profile(profile_memory=True) as prof:
+        fn()
+    path = os.path.join(tempfile.gettempdir(), f"fsdp_worker_trace_{os.getpid()}.json")
+    prof.export_chrome_trace(path)
+    with open(path) as f:
+        events = json.load(f)["traceEvents"]
+    os.remove(path)
+    return events
 
 
 def collective_allocations(world, numel=2**16):
@@ -550,13 +563,7 @@ def collective_allocations(world, numel=2**16):
 
     def largest(collective):
         collective()  # warm-up: gloo sets up its buffers on first use
-        with torch.profiler.profile(profile_memory=True) as prof:
-            collective()
-        path = os.path.join(tempfile.gettempdir(), f"fsdp_worker_alloc_{os.getpid()}.json")
-        prof.export_chrome_trace(path)
-        with open(path) as f:
-            events = json.load(f)["traceEvents"]
-        os.remove(path)
+        events = profiled_events(collective)
         return max((e["args"]["Bytes"] for e in events if e.get("name") == "[memory]"), default=0)
 
     return {"shard_bytes": numel * 4, "full_bytes": world * numel * 4,
@@ -564,6 +571,29 @@ def collective_allocations(world, numel=2**16):
             "gloo_all_gather": largest(lambda: dist.all_gather_single(full, shard)),
             "ours_reduce_scatter": largest(lambda: comm.reduce_scatter(shard, full, group).wait()),
             "gloo_reduce_scatter": largest(lambda: dist.reduce_scatter_single(shard, full, op=dist.ReduceOp.AVG))}
+
+
+def reduce_scatter_net_bytes(rank, mesh1d):
+    """Per unit: the memory its reduce-scatter holds, beyond what it held when it began, once it has
+    allocated its output (the sharded grads), from the training thread's allocations and frees
+    inside the range (a step after the first, so the pooled buffers are there)."""
+    model = build_gpt("ours", mesh1d)
+    for step in range(2):
+        x, y = batch("memory", rank, step, 0)
+        _, loss = model(x, y)
+        events = profiled_events(loss.backward) if step else loss.backward()
+        model.zero_grad(set_to_none=True)
+    report = {}
+    for unit in units_of(model):
+        scatter = next(e for e in events if e.get("name") == f"fsdp::reduce_scatter {unit.name}")
+        shard_bytes, net, held = unit.shard_numel * 4, 0, None
+        for e in sorted((e for e in events if e.get("name") == "[memory]" and e["tid"] == scatter["tid"]
+                         and scatter["ts"] <= e["ts"] <= scatter["ts"] + scatter["dur"]), key=lambda e: e["ts"]):
+            net += e["args"]["Bytes"]
+            if e["args"]["Bytes"] == shard_bytes:  # the output (its last allocation of that size)
+                held = net
+        report[unit.name] = {"held_at_output_bytes": held, "shard_bytes": shard_bytes}
+    return report
 
 
 def pool_checks(rank, mesh1d, n_layer):

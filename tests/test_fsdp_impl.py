@@ -184,6 +184,24 @@ def test_gloo_exchanges_allocate_no_buffers(results, world):
 
 
 @pytest.mark.parametrize("world", WORLDS)
+def test_reduce_scatter_frees_unsharded_grads_before_allocating_sharded_ones(results, world):
+    """A unit's reduce-scatter copies its unsharded grads into a pooled input buffer, frees them,
+    and only then allocates the output that becomes the sharded grads (FSDP2's order): once the
+    output is there it holds less than when it began. With one rank the output is the input,
+    allocated first. (torch._chunk_cat itself allocates padded copies of rows that do not divide
+    by the world size, the root's vocabulary here: freed before the output.)"""
+    m = results(world)["memory"]
+    _no_error(m, "memory")
+    report = m["reduce_scatter_net_bytes"]
+    assert set(report) == {R, *BLOCKS}
+    for unit, r in report.items():
+        if world == 1:
+            assert r["held_at_output_bytes"] == r["shard_bytes"], (unit, r)
+        else:
+            assert r["held_at_output_bytes"] < 0, (unit, r)
+
+
+@pytest.mark.parametrize("world", WORLDS)
 def test_memory_after_backward(results, world):
     m = results(world)["memory"]
     _no_error(m, "memory")
