@@ -216,7 +216,8 @@ def comm_worker(sizes_mb):
         shard = torch.zeros(full.numel() // w, device=device)
         # (name, run it, bytes moved per rank as a fraction of the full buffer: bus bandwidth)
         ops = (("all_gather", lambda: comm.library_collective("all_gather_single")(full, shard), (w - 1) / w),
-               ("ag_fsdp_impl", lambda: comm.all_gather(full, shard, dist.group.WORLD).wait(), (w - 1) / w),
+               ("ag_fsdp_impl", lambda: comm.all_gather([full.view(w, -1)], [shard], dist.group.WORLD).wait(),
+                (w - 1) / w),
                ("reduce_scatter", lambda: comm.library_collective("reduce_scatter_single")(
                    shard, full, op=dist.ReduceOp.AVG), (w - 1) / w),
                ("rs_fsdp_impl", lambda: comm.reduce_scatter(shard, full, dist.group.WORLD).wait(), (w - 1) / w),

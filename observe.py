@@ -68,14 +68,13 @@ def model_state_mb(model, optimizer):
 
 
 class CommCounter:
-    """Counts collectives and bytes issued through torch.distributed's Python API: everything
-    FSDP2 and fsdp_impl issue. fsdp_impl's point-to-point exchanges on gloo (isend/irecv) count
-    as the collective they stand for, with its buffer's bytes. DDP's C++ reducer is not seen
-    (bench.py states its formula)."""
+    """Counts collectives and bytes issued through torch.distributed's Python API (everything FSDP2
+    and fsdp_impl issue) and fsdp_impl's point-to-point exchanges on gloo (comm.exchange), each
+    counted once as the collective it does, with that collective's bytes. DDP's C++ reducer is
+    not seen (bench.py states its formula)."""
     KINDS = {"all_gather_into_tensor": "all_gather", "all_gather_single": "all_gather",
              "reduce_scatter_tensor": "reduce_scatter", "reduce_scatter_single": "reduce_scatter",
-             "all_reduce": "all_reduce", "isend": "exchange"}
-    EXCHANGES = {comm.GATHER_TAG: "all_gather", comm.REDUCE_TAG: "reduce_scatter"}
+             "all_reduce": "all_reduce"}
 
     def __init__(self):
         self.totals = {}
@@ -84,34 +83,30 @@ class CommCounter:
         for fn_name, kind in self.KINDS.items():
             if hasattr(dist, fn_name):  # the *_single names are new in torch 2.13
                 setattr(dist, fn_name, self._counting(getattr(dist, fn_name), kind))
+        comm.exchange = self._counting_exchanges(comm.exchange)
+
+    def _add(self, kind, nbytes):
+        self.current[f"{kind}_count"] += 1
+        self.current[f"{kind}_bytes"] += nbytes
 
     def _counting(self, fn, kind):
         def counted(*args, **kwargs):
             tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
             big = max(tensors, key=torch.Tensor.numel)  # the output of a gather, the input of a scatter
-            what = (kind, big.numel() * big.element_size())
-            if kind == "exchange":
-                what = self._exchange(what[1], *args[1:], **kwargs)
-            if what is not None:
-                self.current[f"{what[0]}_count"] += 1
-                self.current[f"{what[0]}_bytes"] += what[1]
+            self._add(kind, big.numel() * big.element_size())
             return fn(*args, **kwargs)
         return counted
 
-    def _exchange(self, nbytes, dst=None, group=None, tag=0, **_):
-        """(kind, bytes) of an exchange, or None. An exchange sends one equal-sized message per
-        peer: it is counted once, at the message to the next rank, as W x that message (the
-        all-gather's output, the reduce-scatter's input). Other point-to-point traffic is not."""
-        group = group or dist.group.WORLD
-        if tag not in self.EXCHANGES or dst is None or \
-                dst != dist.get_global_rank(group, (group.rank() + 1) % group.size()):
-            return None
-        return self.EXCHANGES[tag], group.size() * nbytes
+    def _counting_exchanges(self, exchange):
+        def counted(kind, nbytes, *args, **kwargs):
+            self._add(kind, nbytes)
+            return exchange(kind, nbytes, *args, **kwargs)
+        return counted
 
     def take(self):
         """Counts and bytes since the last call."""
         taken, self.current = getattr(self, "current", None), {
-            f"{k}_{x}": 0 for k in set(self.KINDS.values()) - {"exchange"} for x in ("count", "bytes")}
+            f"{k}_{x}": 0 for k in set(self.KINDS.values()) for x in ("count", "bytes")}
         return taken
 
     def add_step(self):

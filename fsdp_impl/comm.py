@@ -67,14 +67,23 @@ def library_collective(name):
     observe.py's counting wrappers see it."""
     return getattr(dist, name, None) or getattr(dist, _OLDER_NAMES[name])
 
+
+def exchanges(group, device):
+    """Whether collectives over `group` go point to point, as messages between ranks: gloo with CPU
+    tensors and more than one rank (see exchange)."""
+    return group.size() > 1 and device.type == "cpu" and dist.get_backend(group) == "gloo"
+
+
 # tags keep the messages of an all-gather and a reduce-scatter in flight at once apart
-GATHER_TAG, REDUCE_TAG = 1, 2
+TAGS = {"all_gather": 1, "reduce_scatter": 2}
 
 
 class _Exchange:
     """Point-to-point messages that together do one collective; wait() waits for all of them.
     With no messages (one rank: the work is a local copy) it is complete at once."""
-    works = ()
+
+    def __init__(self, works=()):
+        self.works = works
 
     def wait(self):
         for work in self.works:
@@ -85,81 +94,96 @@ class _Exchange:
         pass
 
 
-def all_gather(output, shard, group):
-    """Gather every rank's equal-sized `shard` into `output` (rank-major). Returns a handle.
+def exchange(kind, nbytes, sends, recvs, group):
+    """Post the messages that together do one collective of `kind` on gloo and return their works.
 
-    With one rank there is nothing to gather: a copy, no collective (FSDP2 skips it too). On
-    gloo with CPU tensors the ranks exchange shards point to point (see _ExchangeGather).
+    gloo's own collectives allocate buffers of the whole collective's size per call and copy
+    through them (a fresh unit-sized allocation each time, on new heap pages on CPU; see
+    IMPLEMENTATION.md); messages go straight between the caller's tensors. `sends` and `recvs`
+    are (peer's rank in `group`, tensor) in an order both ends share: gloo matches the messages
+    between two ranks in the order they were posted. Empty tensors are skipped (both ends know
+    the sizes). `nbytes` is the collective's size (the all-gather's output, the reduce-scatter's
+    input): counted here, and by observe.py's counter, which wraps this function.
     """
-    ledger.count("all_gather", output.numel() * output.element_size())
+    ledger.count(kind, nbytes)
+    tag, works = TAGS[kind], []
+    for post, messages in ((dist.irecv, recvs), (dist.isend, sends)):
+        for peer, tensor in messages:
+            if tensor.numel():
+                works.append(post(tensor, dist.get_global_rank(group, peer), group=group, tag=tag))
+    return works
+
+
+def all_gather(slots, pieces, group):
+    """Every rank's pieces[i] into slots[i][rank], where slots[i] is [W, pieces[i].numel()]. Returns a handle.
+
+    With one rank there is nothing to gather: a copy (FSDP2 skips the collective too). On gloo
+    with CPU tensors each piece goes to every peer as a message of its own, straight into its
+    slot, so the gathered tensors need no copy out of a rank-major buffer; no arithmetic, so the
+    bits are the same. Elsewhere one library all-gather, into a single rank-major slot.
+    """
+    nbytes = sum(s.numel() * s.element_size() for s in slots)
     if group.size() == 1:
-        output.copy_(shard, non_blocking=True)  # (asynchronous from a pinned, offloaded shard)
+        ledger.count("all_gather", nbytes)
+        for slot, piece in zip(slots, pieces):
+            slot[0].copy_(piece, non_blocking=True)  # (asynchronous from a pinned, offloaded shard)
         return _Exchange()
-    if dist.get_backend(group) == "gloo" and output.is_cpu:
-        return _ExchangeGather(output, shard, group)
-    return library_collective("all_gather_single")(output, shard, group=group, async_op=True)
-
-
-class _ExchangeGather(_Exchange):
-    """All-gather on gloo: send our shard to every peer, receive theirs straight into `output`.
-
-    gloo's all-gather allocates an output-sized buffer per call and copies out of it: a fresh
-    unit-sized allocation every time, which on CPU lands on new heap pages (about 225 MB of
-    them per step at 47M parameters; see IMPLEMENTATION.md). Here nothing is allocated and
-    nothing is copied twice; each rank sends W-1 shards, as gloo's ring does. No arithmetic, so
-    the bits are the same.
-    """
-
-    def __init__(self, output, shard, group):
-        me, chunks = group.rank(), output.view(group.size(), -1)
-        self.works = []
-        for peer in range(group.size()):
-            if peer != me:
-                peer_rank = dist.get_global_rank(group, peer)
-                self.works += [dist.isend(shard, peer_rank, group=group, tag=GATHER_TAG),
-                               dist.irecv(chunks[peer], peer_rank, group=group, tag=GATHER_TAG)]
-        chunks[me].copy_(shard)
+    if exchanges(group, slots[0].device):
+        me = group.rank()
+        torch._foreach_copy_([slot[me] for slot in slots], list(pieces))
+        peers = [peer for peer in range(group.size()) if peer != me]
+        return _Exchange(exchange("all_gather", nbytes, [(peer, piece) for peer in peers for piece in pieces],
+                                  [(peer, slot[peer]) for peer in peers for slot in slots], group))
+    ledger.count("all_gather", nbytes)
+    (output,), (shard,) = slots, pieces
+    return library_collective("all_gather_single")(output.view(-1), shard, group=group, async_op=True)
 
 
 def reduce_scatter(output, input, group):
     """Average `input` (rank-major chunks) over the group; this rank's chunk lands in `output`.
 
-    With one rank there is nothing to reduce: a copy, as FSDP2 does. On gloo with two ranks (CPU
-    tensors) the ranks swap halves point to point (see _PairReduction); otherwise the library's
+    With one rank there is nothing to reduce: a copy, as FSDP2 does. With two ranks on gloo
+    (CPU tensors) the halves are exchanged (reduce_scatter_pair); otherwise the library's
     reduce-scatter.
     """
+    if group.size() == 2 and exchanges(group, input.device):
+        halves = input.view(2, -1)
+        return reduce_scatter_pair(output, [output], [halves[group.rank()]], [halves[1 - group.rank()]], group)
     ledger.count("reduce_scatter", input.numel() * input.element_size())
     if group.size() == 1:
         output.copy_(input)
         return _Exchange()
-    if group.size() == 2 and dist.get_backend(group) == "gloo" and input.is_cpu:
-        return _PairReduction(output, input, group)
     return library_collective("reduce_scatter_single")(output, input, op=dist.ReduceOp.AVG, group=group,
                                                        async_op=True)
 
 
-class _PairReduction(_Exchange):
-    """Reduce-scatter of two gloo ranks: send the peer its half, receive ours into `output`, add.
+def reduce_scatter_pair(output, landings, own, theirs, group):
+    """Reduce-scatter of two ranks on gloo, piece by piece: send the peer `theirs` (its rows of each
+    tensor), receive its `own` counterparts into `landings` (views of `output`), add ours at wait()
+    and halve. Returns a handle.
 
     gloo's reduce-scatter is a whole all-reduce plus copies: each rank receives every chunk
     reduced, twice the bytes it needs, into buffers of the input's size. Here each rank sends
-    and receives half the input, straight into the output, and adds its own half at wait().
-    With two ranks this is bitwise gloo's answer ((a + b) / 2 in either order); with more,
-    gloo's summation order depends on its internal segmentation, so we keep its collective
-    there for FSDP2's exact bits.
+    and receives half, and the pieces can be taken from wherever they are (the unsharded
+    gradients themselves), with no rank-major input to copy them into. (a + b) / 2 is gloo's
+    answer bit for bit in either order; with more ranks gloo's summation order depends on its
+    internal segmentation, so its collective stays there, for FSDP2's exact bits.
     """
+    peer = 1 - group.rank()
+    works = exchange("reduce_scatter", 2 * output.numel() * output.element_size(),
+                     [(peer, t) for t in theirs], [(peer, t) for t in landings], group)
+    return _PairReduction(output, landings, own, works)
 
-    def __init__(self, output, input, group):
-        mine, peer = group.rank(), 1 - group.rank()
-        peer_rank = dist.get_global_rank(group, peer)
-        halves = input.view(2, -1)
-        self.output, self.own_half = output, halves[mine]
-        self.works = [dist.isend(halves[peer], peer_rank, group=group, tag=REDUCE_TAG),
-                      dist.irecv(output, peer_rank, group=group, tag=REDUCE_TAG)]
+
+class _PairReduction(_Exchange):
+    def __init__(self, output, landings, own, works):
+        super().__init__(works)
+        self.output, self.landings, self.own = output, landings, own
 
     def finish(self):
-        self.output.add_(self.own_half).div_(2)
-        self.own_half = None
+        torch._foreach_add_(self.landings, self.own)
+        self.output.div_(2)
+        self.landings = self.own = None  # (the unsharded gradients they view are freed)
 
 
 def all_reduce_mean(tensor, group):

@@ -16,11 +16,19 @@ Memory layout (W ranks in the shard group, rank r):
                             to life when it is refilled).
 
 With one rank the shard already has the full layout: the all-gather is a copy straight into
-flat_full and the reduce-scatter is the identity (its input becomes the sharded .grads).
+flat_full and the reduce-scatter is the identity (its input becomes the sharded .grads). On gloo
+(CPU) the all-gather is point-to-point messages, one per parameter and peer, each landing in
+its place in flat_full: no rank-major buffer, no copy-out.
 
 Gradients go the other way: unsharded grads -> [W, S] (torch._chunk_cat pads each to the row
 layout above) -> one reduce-scatter (AVG) -> [S], whose pieces become the sharded DTensor .grads.
-The layout is exactly FSDP2's, so with the same collective the numbers are the same bits.
+With two ranks on gloo each grad's rows are sent as they are (no _chunk_cat), the peer's land
+in [S], and the own rows are added there. The layout is exactly FSDP2's, so with the same
+arithmetic the numbers are the same bits.
+
+Trade (gloo): a message per parameter costs a rendezvous each, where one per unit cost a copy
+of the unit; measured, the copies cost more at 47M parameters and the two were even at 5M
+(IMPLEMENTATION.md).
 
 State machine: SHARDED -> GATHERING (all-gather in flight) -> UNSHARDED -> SHARDED.
 """
@@ -70,6 +78,12 @@ class ParamShard:
     def register(self, param):
         for module, name in self.registrations:
             _set_param(module, name, param)
+
+    def rows_of(self, full, rank):
+        """Rank `rank`'s rows of `full`, a flat tensor of this parameter's (unpadded) shape: fewer than
+        a padded piece's, or none, for the last ranks when the rows do not divide evenly."""
+        start = rank * self.padded_numel
+        return full[start:start + max(0, min(self.padded_numel, full.numel() - start))]
 
     def take_unsharded_grad(self):
         grad = self.accumulated_grad if self.accumulated_grad is not None else self.unsharded.grad
@@ -196,7 +210,9 @@ class ShardedUnit:
             start = ps.offset * self.world
             view = self.flat_full[start:start + math.prod(ps.shape)].view(ps.shape)
             ps.unsharded = nn.Parameter(view, requires_grad=True)  # (_sync_requires_grad mirrors the sharded one)
-        # each parameter's padded full tensor as [W, rows per rank * row numel]: the copy-out targets
+        # each parameter's padded full tensor as [W, rows per rank * row numel]: where the all-gather's
+        # pieces land
+        self._padded_numels = [ps.padded_numel for ps in self.params]
         self._full_slots = [self.flat_full[ps.offset * self.world:(ps.offset + ps.padded_numel) * self.world]
                             .view(self.world, -1) for ps in self.params]
         self.flat_full.untyped_storage().resize_(0)
@@ -242,20 +258,26 @@ class ShardedUnit:
         with profiled(f"fsdp::all_gather {self.name}"), torch.no_grad():
             ledger.log("all_gather", self.name)
             shard = self.flat_shard
+            if self.world > 1 and (shard.dtype != self.param_dtype or shard.device != self.compute_device):
+                shard = shard.to(self.compute_device, self.param_dtype, non_blocking=True)
             if self.world == 1:
                 # one rank: the shard already has the full layout, so the "all-gather" copies
                 # (and casts) it straight into the unsharded parameters, with no copy-out
                 self._full_memory = self.schedule.buffers.fill(self.flat_full)
-                output = self.flat_full
+                output, slots, pieces = self.flat_full, [self.flat_full.view(1, -1)], [shard]
+            elif comm.exchanges(self.shard_group, self.compute_device):
+                # point to point (gloo, CPU): each parameter's piece from each rank lands straight
+                # in the unsharded parameter, with no copy-out
+                self._full_memory = self.schedule.buffers.fill(self.flat_full)
+                output, slots, pieces = self.flat_full, self._full_slots, shard.split(self._padded_numels)
             else:
-                if shard.dtype != self.param_dtype or shard.device != self.compute_device:
-                    shard = shard.to(self.compute_device, self.param_dtype, non_blocking=True)
                 output = self.schedule.buffers.take(self.world * self.shard_numel, self.param_dtype)
-            # with one rank this writes into the unsharded parameters, which bumps their version
-            # counter; autograd saved these same tensors in forward and must not see that as an
-            # in-place change (the copy-out below is guarded the same way)
+                slots, pieces = [output.view(self.world, -1)], [shard]
+            # writing into the unsharded parameters bumps their version counter; autograd saved
+            # these same tensors in forward and must not see that as an in-place change (the
+            # copy-out below is guarded the same way)
             with torch.autograd._unsafe_preserve_version_counter(self.flat_full):
-                self._gather = (comm.all_gather(output, shard, self.shard_group), output, shard)
+                self._gather = (comm.all_gather(slots, pieces, self.shard_group), output, shard)
         self.state = GATHERING
 
     def wait_unshard(self):
@@ -273,8 +295,8 @@ class ShardedUnit:
             if output is not self.flat_full:  # copy out of the rank-major all-gather buffer
                 self._full_memory = self.schedule.buffers.fill(self.flat_full)
                 with torch.autograd._unsafe_preserve_version_counter(self.flat_full):
-                    torch.split_with_sizes_copy(output.view(self.world, self.shard_numel),
-                                                [ps.padded_numel for ps in self.params], dim=1, out=self._full_slots)
+                    torch.split_with_sizes_copy(output.view(self.world, self.shard_numel), self._padded_numels,
+                                                dim=1, out=self._full_slots)
                 self.schedule.buffers.give(output)
         for ps in self.params:
             ps.register(ps.unsharded)
@@ -406,6 +428,9 @@ class ShardedUnit:
         with profiled(f"fsdp::reduce_scatter {self.name}"):
             ledger.log("reduce_scatter", self.name)
             numel = sum(ps.padded_numel for ps in params)
+            if self.world == 2 and comm.exchanges(self.shard_group, self.compute_device):
+                self._reduce_scatter_pair(params, grads, numel)
+                return
             # one rank: the reduction is the identity, so its input is its output (no copy)
             rs_input = self.schedule.buffers.take(self.world * numel, self.reduce_dtype) if self.world > 1 \
                 else torch.empty(numel, dtype=self.reduce_dtype, device=self.compute_device)
@@ -417,6 +442,23 @@ class ShardedUnit:
             work = comm.reduce_scatter(rs_output, rs_input, self.shard_group)
             self._reduction = (work, rs_input, rs_output, params)
             self.schedule.pending_reductions.append(self)
+
+    def _reduce_scatter_pair(self, params, grads, numel):
+        """Two ranks on gloo: each gradient's rows go straight to their rank, with no _chunk_cat into a
+        rank-major input; the unsharded gradients, which the messages read, live until the wait."""
+        output = torch.empty(numel, dtype=self.reduce_dtype, device=self.compute_device)
+        landings, own, theirs, offset = [], [], [], 0
+        for ps, grad in zip(params, grads):
+            full = grad.to(self.reduce_dtype).reshape(-1)  # (a no-op unless bf16 grads reduce in float32)
+            own.append(ps.rows_of(full, self.rank))
+            theirs.append(ps.rows_of(full, 1 - self.rank))
+            landings.append(output[offset:offset + own[-1].numel()])
+            output[offset + own[-1].numel():offset + ps.padded_numel].zero_()  # padding, as _chunk_cat's
+            offset += ps.padded_numel
+        grads.clear()
+        work = comm.reduce_scatter_pair(output, landings, own, theirs, self.shard_group)
+        self._reduction = (work, output, output, params)
+        self.schedule.pending_reductions.append(self)
 
     def _add_partial_reduction(self, output, params):
         """This micro-step's replica-local sums plus those kept from micro-steps without all-reduce,

@@ -539,7 +539,7 @@ def memory_checks(world, mesh1d):
     res["api_async_unshard"] = h0._fsdp_unit.state == "unsharded"
     h0.reshard()
     res["pool"] = {n_layer: pool_checks(rank, mesh1d, n_layer) for n_layer in (4, 8)}
-    res["reduce_scatter_net_bytes"] = reduce_scatter_net_bytes(rank, mesh1d)
+    res["collective_traces"] = collective_traces(rank, mesh1d)
     res["collective_allocations"] = collective_allocations(world)
     return res
 
@@ -567,32 +567,43 @@ def collective_allocations(world, numel=2**16):
         return max((e["args"]["Bytes"] for e in events if e.get("name") == "[memory]"), default=0)
 
     return {"shard_bytes": numel * 4, "full_bytes": world * numel * 4,
-            "ours_all_gather": largest(lambda: comm.all_gather(full, shard, group).wait()),
+            "ours_all_gather": largest(lambda: comm.all_gather([full.view(world, -1)], [shard], group).wait()),
             "gloo_all_gather": largest(lambda: dist.all_gather_single(full, shard)),
             "ours_reduce_scatter": largest(lambda: comm.reduce_scatter(shard, full, group).wait()),
             "gloo_reduce_scatter": largest(lambda: dist.reduce_scatter_single(shard, full, op=dist.ReduceOp.AVG))}
 
 
-def reduce_scatter_net_bytes(rank, mesh1d):
-    """Per unit: the memory its reduce-scatter holds, beyond what it held when it began, once it has
-    allocated its output (the sharded grads), from the training thread's allocations and frees
-    inside the range (a step after the first, so the pooled buffers are there)."""
+def collective_traces(rank, mesh1d):
+    """From the profiler, over a training step after the first (so the pooled buffers are there),
+    per unit: the memory its reduce-scatter holds, beyond what it held when it began, once it has
+    allocated its output (the sharded grads); and which of the operators that copy a whole unit
+    its reduce-scatter and its all-gathers' waits ran, on the training thread."""
     model = build_gpt("ours", mesh1d)
     for step in range(2):
         x, y = batch("memory", rank, step, 0)
-        _, loss = model(x, y)
-        events = profiled_events(loss.backward) if step else loss.backward()
+
+        def train_step():
+            model(x, y)[1].backward()
+        events = profiled_events(train_step) if step else train_step()
         model.zero_grad(set_to_none=True)
+
+    def inside(range_name, event_name=None):
+        ranges = [e for e in events if e.get("name") == range_name]
+        return sorted((e for e in events if (event_name is None or e.get("name") == event_name) and any(
+            e is not r and e.get("tid") == r["tid"] and r["ts"] <= e["ts"] <= r["ts"] + r["dur"] for r in ranges)),
+            key=lambda e: e["ts"])
+
+    copies = ("aten::_chunk_cat", "aten::split_with_sizes_copy")
     report = {}
     for unit in units_of(model):
-        scatter = next(e for e in events if e.get("name") == f"fsdp::reduce_scatter {unit.name}")
         shard_bytes, net, held = unit.shard_numel * 4, 0, None
-        for e in sorted((e for e in events if e.get("name") == "[memory]" and e["tid"] == scatter["tid"]
-                         and scatter["ts"] <= e["ts"] <= scatter["ts"] + scatter["dur"]), key=lambda e: e["ts"]):
+        for e in inside(f"fsdp::reduce_scatter {unit.name}", "[memory]"):
             net += e["args"]["Bytes"]
             if e["args"]["Bytes"] == shard_bytes:  # the output (its last allocation of that size)
                 held = net
-        report[unit.name] = {"held_at_output_bytes": held, "shard_bytes": shard_bytes}
+        report[unit.name] = {"held_at_output_bytes": held, "shard_bytes": shard_bytes, "copies": {
+            phase: sorted({e["name"] for e in inside(f"fsdp::{phase} {unit.name}") if e["name"] in copies})
+            for phase in ("reduce_scatter", "all_gather_wait")}}
     return report
 
 

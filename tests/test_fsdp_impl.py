@@ -184,21 +184,37 @@ def test_gloo_exchanges_allocate_no_buffers(results, world):
 
 
 @pytest.mark.parametrize("world", WORLDS)
-def test_reduce_scatter_frees_unsharded_grads_before_allocating_sharded_ones(results, world):
-    """A unit's reduce-scatter copies its unsharded grads into a pooled input buffer, frees them,
-    and only then allocates the output that becomes the sharded grads (FSDP2's order): once the
-    output is there it holds less than when it began. With one rank the output is the input,
-    allocated first. (torch._chunk_cat itself allocates padded copies of rows that do not divide
-    by the world size, the root's vocabulary here: freed before the output.)"""
+def test_reduce_scatter_holds_no_more_than_its_output(results, world):
+    """What a unit's reduce-scatter holds once it has allocated its output (the sharded grads),
+    beyond what it held when it began. One rank: the output is the input, allocated first. Two
+    ranks on gloo: the gradients' rows are sent as they are, so the output is all it allocates.
+    More: the unsharded grads are copied into a pooled input buffer and freed before the output
+    is allocated (FSDP2's order), so it holds less than when it began. (torch._chunk_cat itself
+    allocates padded copies of rows that do not divide by the world size, the root's
+    vocabulary here: freed before the output.)"""
     m = results(world)["memory"]
     _no_error(m, "memory")
-    report = m["reduce_scatter_net_bytes"]
+    report = m["collective_traces"]
     assert set(report) == {R, *BLOCKS}
     for unit, r in report.items():
-        if world == 1:
+        if world <= 2:
             assert r["held_at_output_bytes"] == r["shard_bytes"], (unit, r)
         else:
             assert r["held_at_output_bytes"] < 0, (unit, r)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_gloo_collectives_copy_nothing_on_the_way(results, world):
+    """On gloo the all-gather's messages land in the unsharded parameters themselves, so waiting
+    for it copies nothing out of a rank-major buffer (split_with_sizes_copy), and with two ranks
+    the reduce-scatter sends the gradients' rows as they are, with no _chunk_cat into one (it
+    stays at one rank, where the gradients become the sharded ones, and with more ranks, where
+    gloo's collective needs a rank-major input)."""
+    m = results(world)["memory"]
+    _no_error(m, "memory")
+    for unit, r in m["collective_traces"].items():
+        assert r["copies"]["all_gather_wait"] == [], (unit, r)
+        assert r["copies"]["reduce_scatter"] == ([] if world == 2 else ["aten::_chunk_cat"]), (unit, r)
 
 
 @pytest.mark.parametrize("world", WORLDS)
