@@ -17,18 +17,18 @@ Memory layout (W ranks in the shard group, rank r):
 
 With one rank the shard already has the full layout: the all-gather is a copy straight into
 flat_full and the reduce-scatter is the identity (its input becomes the sharded .grads). On gloo
-(CPU), for units of large parameters, the all-gather is point-to-point messages, one per
-parameter and peer, each landing in its place in flat_full: no rank-major buffer, no copy-out.
+(CPU) the all-gather is point-to-point messages, one per parameter and peer, each landing in its
+place in flat_full: no rank-major buffer, no copy-out.
 
 Gradients go the other way: unsharded grads -> [W, S] (torch._chunk_cat pads each to the row
 layout above) -> one reduce-scatter (AVG) -> [S], whose pieces become the sharded DTensor .grads.
-With two ranks on gloo (large parameters) each grad's rows are sent as they are, with no
-_chunk_cat: the peer's land in [S] and the own rows are added there. The layout is exactly
+With two ranks on gloo each grad's rows are sent as they are, with no _chunk_cat: the peer's
+land in [S] and the own rows are added there. The layout is exactly
 FSDP2's, so with the same arithmetic the numbers are the same bits.
 
 Trade (gloo): a message per parameter costs a rendezvous each, where one per unit costs a copy
-of the unit; a unit takes the first path when its pieces are large (MIN_PIECE_BYTES), else the
-second, with the rank-major buffer and copies that NCCL's collectives need too.
+of the unit; measured, the copies cost more at 47M parameters and the two were even at 5M
+(IMPLEMENTATION.md).
 
 State machine: SHARDED -> GATHERING (all-gather in flight) -> UNSHARDED -> SHARDED.
 """
@@ -43,10 +43,6 @@ from . import comm
 from .comm import ledger, profiled
 
 SHARDED, GATHERING, UNSHARDED = "sharded", "gathering", "unsharded"
-# gloo: a message per parameter and peer (no whole-unit copy) once a unit's pieces average this
-# many bytes; below it, a message per unit and a copy: measured between 0.26 MB (a message per
-# unit 3% faster) and 0.59 MB (per parameter 0.4% faster; IMPLEMENTATION.md, "Memory layout")
-MIN_PIECE_BYTES = 2**19
 
 
 def _set_param(module, name, param):
@@ -220,9 +216,7 @@ class ShardedUnit:
         self._full_slots = [self.flat_full[ps.offset * self.world:(ps.offset + ps.padded_numel) * self.world]
                             .view(self.world, -1) for ps in self.params]
         self.flat_full.untyped_storage().resize_(0)
-        piece_bytes = self.shard_numel * self.flat_full.element_size() / max(len(self.params), 1)
-        self.message_per_param = comm.exchanges(self.shard_group, self.compute_device) and \
-            piece_bytes >= MIN_PIECE_BYTES
+        self.point_to_point = comm.exchanges(self.shard_group, self.compute_device)
         self._sync_requires_grad()
 
     @torch.no_grad()  # (with grad on, the copy would record a graph back to the replaced tensors, keeping them)
@@ -272,7 +266,7 @@ class ShardedUnit:
                 # (and casts) it straight into the unsharded parameters, with no copy-out
                 self._full_memory = self.schedule.buffers.fill(self.flat_full)
                 output, slots, pieces = self.flat_full, [self.flat_full.view(1, -1)], [shard]
-            elif self.message_per_param:
+            elif self.point_to_point:
                 # point to point (gloo, CPU): each parameter's piece from each rank lands straight
                 # in the unsharded parameter, with no copy-out
                 self._full_memory = self.schedule.buffers.fill(self.flat_full)
@@ -435,7 +429,7 @@ class ShardedUnit:
         with profiled(f"fsdp::reduce_scatter {self.name}"):
             ledger.log("reduce_scatter", self.name)
             numel = sum(ps.padded_numel for ps in params)
-            if self.world == 2 and self.message_per_param:
+            if self.world == 2 and self.point_to_point:
                 self._reduce_scatter_pair(params, grads, numel)
                 return
             # one rank: the reduction is the identity, so its input is its output (no copy)

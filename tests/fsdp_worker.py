@@ -39,7 +39,6 @@ sys.path.insert(0, str(REPO))
 from fsdp_impl import MixedPrecisionPolicy as OurMixedPrecision  # noqa: E402
 from fsdp_impl import fully_shard as our_fully_shard  # noqa: E402
 from fsdp_impl import comm  # noqa: E402
-from fsdp_impl import unit as fsdp_unit  # noqa: E402
 from fsdp_impl.comm import ledger  # noqa: E402
 from fsdp_impl.schedule import BufferPool  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
@@ -335,13 +334,13 @@ def parity_modes(world, mesh1d, mesh2d):
         return (*r, {f"{impl}_pooled": pooled})
     modes["no_buffer_pool"] = no_buffer_pool
 
-    def message_per_unit(impl):  # gloo's other path: one message per unit and a copy (small pieces)
-        with mock.patch.object(fsdp_unit, "MIN_PIECE_BYTES", fsdp_unit.MIN_PIECE_BYTES_DEFAULT):
+    def library_collectives(impl):  # NCCL's path on CPU: rank-major buffers, copy-out, _chunk_cat
+        with mock.patch.object(comm, "exchanges", lambda group, device: False):
             model = build_gpt(impl, mesh1d)
-            r = train(model, "message_per_unit", micro=MICRO, micro_setup=sync_off)
-        per_param = impl == "ours" and any(u.message_per_param for u in units_of(model))
-        return (*r, {f"{impl}_message_per_param": per_param})
-    modes["message_per_unit"] = message_per_unit
+            r = train(model, "library_collectives", micro=MICRO, micro_setup=sync_off)
+        point_to_point = impl == "ours" and any(u.point_to_point for u in units_of(model))
+        return (*r, {f"{impl}_point_to_point": point_to_point})
+    modes["library_collectives"] = library_collectives
 
     bf16 = dict(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 
@@ -548,7 +547,7 @@ def memory_checks(world, mesh1d):
     res["api_async_unshard"] = h0._fsdp_unit.state == "unsharded"
     h0.reshard()
     res["pool"] = {n_layer: pool_checks(rank, mesh1d, n_layer) for n_layer in (4, 8)}
-    res["message_per_param"] = all(u.message_per_param for u in units_of(model))
+    res["point_to_point"] = all(u.point_to_point for u in units_of(model))
     res["collective_traces"] = collective_traces(rank, mesh1d)
     res["collective_allocations"] = collective_allocations(world)
     return res
@@ -753,9 +752,6 @@ def main():
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     world, rank = dist.get_world_size(), dist.get_rank()
-    # the tests' units are far below the size at which gloo's exchanges go a message per parameter:
-    # every mode but message_per_unit takes that path, the one with more to get wrong
-    fsdp_unit.MIN_PIECE_BYTES_DEFAULT, fsdp_unit.MIN_PIECE_BYTES = fsdp_unit.MIN_PIECE_BYTES, 0
     ODD_STATE = odd_init_state()
     mesh1d = init_device_mesh("cpu", (world,))
     mesh2d = (init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard")) if world == 4 else None)

@@ -64,11 +64,11 @@ def _no_error(section, what):
 # ---- parity with FSDP2 ----------------------------------------------------------------------
 PARITY_MODES = ["default", "grouped_blocks", "zero2", "grad_accum", "grad_accum_sync_each",
                 "no_reshard_after_backward", "no_reshard_after_backward_sync_on", "bf16_mp",
-                "bf16_grad_accum", "no_buffer_pool", "message_per_unit", "meta_init", "eval_between_steps", "resume",
+                "bf16_grad_accum", "no_buffer_pool", "library_collectives", "meta_init", "eval_between_steps", "resume",
                 "grad_clip", "activation_checkpointing", "odd_model", "odd_model_frozen"]
 HSDP_MODES = ["hsdp", "hsdp_all_reduce_off"]
 MICRO_STEP_MODES = {"grad_accum", "grad_accum_sync_each", "no_reshard_after_backward",
-                    "no_reshard_after_backward_sync_on", "bf16_grad_accum", "no_buffer_pool", "message_per_unit",
+                    "no_reshard_after_backward_sync_on", "bf16_grad_accum", "no_buffer_pool", "library_collectives",
                     "hsdp_all_reduce_off"}
 PARITY_CASES = [(w, m) for w in WORLDS for m in PARITY_MODES] + [(4, m) for m in HSDP_MODES]
 
@@ -103,10 +103,10 @@ def test_no_buffer_pool_path_ran(results, world):
 
 @pytest.mark.parametrize("world", WORLDS)
 def test_gloo_exchange_paths_ran(results, world):
-    """The worker's modes exchange a message per parameter on gloo (its threshold set to 0), and
-    message_per_unit, with the default threshold, one per unit: the tests' units are small."""
-    assert _extra(results, world, "message_per_unit")["ours_message_per_param"] is False
-    assert results(world)["memory"]["message_per_param"] is (world > 1)
+    """On gloo with more than one rank the collectives go point to point; library_collectives
+    turns that off, to run the library collectives' path (NCCL's) bitwise against FSDP2."""
+    assert _extra(results, world, "library_collectives")["ours_point_to_point"] is False
+    assert results(world)["memory"]["point_to_point"] is (world > 1)
 
 
 @pytest.mark.parametrize("world", WORLDS)
@@ -213,8 +213,7 @@ def test_reduce_scatter_holds_no_more_than_its_output(results, world):
 
 @pytest.mark.parametrize("world", WORLDS)
 def test_gloo_collectives_copy_nothing_on_the_way(results, world):
-    """On gloo, a message per parameter (the worker's threshold, for units this small), the
-    all-gather's messages land in the unsharded parameters themselves, so waiting
+    """On gloo the all-gather's messages land in the unsharded parameters themselves, so waiting
     for it copies nothing out of a rank-major buffer (split_with_sizes_copy), and with two ranks
     the reduce-scatter sends the gradients' rows as they are, with no _chunk_cat into one (it
     stays at one rank, where the gradients become the sharded ones, and with more ranks, where
