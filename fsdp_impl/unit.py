@@ -23,8 +23,8 @@ place in flat_full: no rank-major buffer, no copy-out.
 Gradients go the other way: unsharded grads -> [W, S] (torch._chunk_cat pads each to the row
 layout above) -> one reduce-scatter (AVG) -> [S], whose pieces become the sharded DTensor .grads.
 With two ranks on gloo each grad's rows are sent as they are, with no _chunk_cat: the peer's
-land in [S] and the own rows are added there. The layout is exactly
-FSDP2's, so with the same arithmetic the numbers are the same bits.
+land in [S] and the own rows are added there. The layout is exactly FSDP2's, so with the same
+arithmetic the numbers are the same bits.
 
 Trade (gloo): a message per parameter costs a rendezvous each, where one per unit costs a copy
 of the unit; measured, the copies cost more at 47M parameters and the two were even at 5M
