@@ -107,8 +107,8 @@ def exchange(kind, nbytes, sends, recvs, group):
     """
     ledger.count(kind, nbytes)
     tag, works = TAGS[kind], []
-    # sends first: with the receives posted first, a training step measured about 5% slower (5M
-    # parameters; IMPLEMENTATION.md)
+    # sends first: with the receives posted first (and the all-gather's own copy before both), a
+    # training step measured about 5% slower (5M parameters; IMPLEMENTATION.md)
     for post, messages in ((dist.isend, sends), (dist.irecv, recvs)):
         for peer, tensor in messages:
             if tensor.numel():
