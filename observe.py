@@ -178,8 +178,16 @@ class Observer:
             # no schedule: its ProfilerStep ranges would run from one step() to the next, through
             # whatever lies between two steps; ours are opened and closed around each step (and
             # the profiler's start-up, which the schedule's warm-up step absorbed, is outside both)
+            # on CPU every thread, for fsdp_impl's gloo messages, which a thread of its own posts;
+            # the profiler then records no allocations, so a memory timeline has the training
+            # thread's (and gloo's workers'), not that thread's (which posts, allocating nothing)
+            threads = torch._C._profiler._ExperimentalConfig(profile_all_threads=not (self.cuda or mem))
+            if mem and self.profile and self.backend_name == "custom_fsdp" and self.rank == 0:
+                print("--profile=True with --memory_snapshot=True on CPU: the trace records allocations, so it "
+                      "leaves out the thread that posts custom_fsdp's messages; for the overlap, profile "
+                      "without --memory_snapshot", flush=True)
             self.profiler = torch.profiler.profile(activities=acts, record_shapes=mem, profile_memory=mem,
-                                                   with_stack=mem)
+                                                   with_stack=mem, experimental_config=threads)
             self.profiler.start()
         if self.profiler is not None:  # (the range name is the one fsdp_impl.overlap reads)
             self.step_range = torch.profiler.record_function(f"ProfilerStep#{self.steps}")

@@ -10,6 +10,7 @@ both the communication runs while the caller computes, until the wait.
 events (all-gather issued / waited, forward / backward of a unit, reduce-scatter issued /
 waited, free). Logging costs one `if` per event when off.
 """
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import nullcontext
 
 import torch
@@ -79,34 +80,55 @@ TAGS = {"all_gather": 1, "reduce_scatter": 2}
 
 
 class _Exchange:
-    """Point-to-point messages that together do one collective; wait() waits for all of them.
-    With no messages (one rank: the work is a local copy) it is complete at once."""
+    """Point-to-point messages that together do one collective; wait() waits until the posting
+    thread has posted them, then for each of them. With none (one rank: the work is a local
+    copy) it is complete at once."""
 
-    def __init__(self, works=()):
-        self.works = works
+    def __init__(self, posted=None):
+        self.posted = posted  # a Future of the messages' works
 
     def wait(self):
-        for work in self.works:
-            work.wait()
+        if self.posted is not None:
+            for work in self.posted.result():
+                work.wait()
         self.finish()
 
     def finish(self):
         pass
 
 
+_poster = None  # the posting thread (see exchange), started by the first exchange
+
+
 def exchange(kind, nbytes, sends, recvs, group):
-    """Post the messages that together do one collective of `kind` on gloo and return their works.
+    """Have the posting thread post the messages that together do one collective of `kind` on gloo;
+    returns a Future of their works.
 
     gloo's own collectives allocate buffers of the whole collective's size per call and copy
     through them (a fresh unit-sized allocation each time, on new heap pages on CPU; see
     IMPLEMENTATION.md); messages go straight between the caller's tensors. `sends` and `recvs`
     are (peer's rank in `group`, tensor) in an order both ends share: gloo matches the messages
-    between two ranks in the order they were posted. Empty tensors are skipped (both ends know
-    the sizes). `nbytes` is the collective's size (the all-gather's output, the reduce-scatter's
-    input): counted here, and by observe.py's counter, which wraps this function.
+    between two ranks in the order they were posted, and one thread posts them all, in the
+    order of the calls. Empty tensors are skipped (both ends know the sizes). `nbytes` is the
+    collective's size (the all-gather's output, the reduce-scatter's input): counted here, and
+    by observe.py's counter, which wraps this function.
+
+    Why a thread of its own: gloo's TCP transport writes a message's bytes into the socket on
+    the thread that posts the send, whenever the peer's receive is posted already, and posting
+    a receive waits for the connection's lock while gloo's own thread reads. Posted by the
+    training thread, the rank that came later to an exchange did that work in its training
+    thread, so it stayed later, and the other rank waited for it at the end of backward (27 ms
+    of a 230 ms step, 5M parameters; IMPLEMENTATION.md).
     """
+    global _poster
     ledger.count(kind, nbytes)
-    tag, works = TAGS[kind], []
+    if _poster is None:
+        _poster = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fsdp_impl-post")
+    return _poster.submit(_post, TAGS[kind], sends, recvs, group)
+
+
+def _post(tag, sends, recvs, group):
+    works = []
     # sends first: with the receives posted first (and the all-gather's own copy before both), a
     # training step measured about 5% slower (5M parameters; IMPLEMENTATION.md)
     for post, messages in ((dist.isend, sends), (dist.irecv, recvs)):
@@ -133,10 +155,10 @@ def all_gather(slots, pieces, group):
     if exchanges(group, slots[0].device):
         me = group.rank()
         peers = [peer for peer in range(group.size()) if peer != me]
-        works = exchange("all_gather", nbytes, [(peer, piece) for peer in peers for piece in pieces],
-                         [(peer, slot[peer]) for peer in peers for slot in slots], group)
+        posted = exchange("all_gather", nbytes, [(peer, piece) for peer in peers for piece in pieces],
+                          [(peer, slot[peer]) for peer in peers for slot in slots], group)
         torch._foreach_copy_([slot[me] for slot in slots], list(pieces))  # (while the messages travel)
-        return _Exchange(works)
+        return _Exchange(posted)
     ledger.count("all_gather", nbytes)
     (output,), (shard,) = slots, pieces
     return library_collective("all_gather_single")(output.view(-1), shard, group=group, async_op=True)
@@ -173,14 +195,14 @@ def reduce_scatter_pair(output, landings, own, theirs, group):
     internal segmentation, so its collective stays there, for FSDP2's exact bits.
     """
     peer = 1 - group.rank()
-    works = exchange("reduce_scatter", 2 * output.numel() * output.element_size(),
-                     [(peer, t) for t in theirs], [(peer, t) for t in landings], group)
-    return _PairReduction(output, landings, own, works)
+    posted = exchange("reduce_scatter", 2 * output.numel() * output.element_size(),
+                      [(peer, t) for t in theirs], [(peer, t) for t in landings], group)
+    return _PairReduction(output, landings, own, posted)
 
 
 class _PairReduction(_Exchange):
-    def __init__(self, output, landings, own, works):
-        super().__init__(works)
+    def __init__(self, output, landings, own, posted):
+        super().__init__(posted)
         self.output, self.landings, self.own = output, landings, own
 
     def finish(self):

@@ -16,6 +16,7 @@ import math
 import os
 import sys
 import tempfile
+import threading
 import time
 import traceback
 import warnings
@@ -549,6 +550,7 @@ def memory_checks(world, mesh1d):
     res["pool"] = {n_layer: pool_checks(rank, mesh1d, n_layer) for n_layer in (4, 8)}
     res["point_to_point"] = all(u.point_to_point for u in units_of(model))
     res["collective_traces"] = collective_traces(rank, mesh1d)
+    res["message_posts"] = message_posts(rank, mesh1d)
     res["collective_allocations"] = collective_allocations(world)
     return res
 
@@ -614,6 +616,25 @@ def collective_traces(rank, mesh1d):
             phase: sorted({e["name"] for e in inside(f"fsdp::{phase} {unit.name}") if e["name"] in copies})
             for phase in ("reduce_scatter", "all_gather_wait")}}
     return report
+
+
+def message_posts(rank, mesh1d):
+    """How many point-to-point messages (dist.isend and dist.irecv calls) a training step posts on
+    the training thread, and how many on other threads."""
+    model = build_gpt("ours", mesh1d)
+    threads = []
+
+    def recording(post):
+        def wrapped(*args, **kwargs):
+            threads.append(threading.get_ident())
+            return post(*args, **kwargs)
+        return wrapped
+
+    x, y = batch("memory", rank, 0, 0)
+    with mock.patch.object(dist, "isend", recording(dist.isend)), mock.patch.object(dist, "irecv", recording(dist.irecv)):
+        model(x, y)[1].backward()
+    training = threading.get_ident()
+    return {"training_thread": threads.count(training), "other_threads": len(threads) - threads.count(training)}
 
 
 def pool_checks(rank, mesh1d, n_layer):

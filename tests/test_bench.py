@@ -244,6 +244,7 @@ def test_train_writes_traces_memory_reports_and_a_memory_trace(char_data, tmp_pa
                     "--block_size=32", "--batch_size=2", "--max_iters=6", "--eval_iters=1",
                     "--dist_backend=custom_fsdp", "--profile=True", "--memory_snapshot=True")
     assert res.returncode == 0, res.describe()
+    assert "leaves out the thread that posts custom_fsdp's messages" in res.stdout  # (both flags on CPU)
     for rank in (0, 1):
         with open(tmp_path / "traces" / "custom_fsdp" / f"rank{rank}.json") as f:
             trace = json.load(f)
@@ -302,6 +303,10 @@ def test_profiled_steps_hold_training_steps_only_and_enclose_their_logged_time(b
             assert names.count("aten::cross_entropy_loss") == local_steps  # one per micro-batch: no evaluation
             assert names.count("Optimizer.step#AdamW.step") == 1
             assert not CHECKPOINT_COLLECTIVES & set(names)
+        if backend == "custom_fsdp":  # its gloo messages are in the steps, on comm.py's posting thread
+            sends = [e for e in events if e["name"] == "gloo:send" and any(
+                s["ts"] <= e["ts"] < s["ts"] + s["dur"] for s in steps)]
+            assert sends and all(e["tid"] != steps[0]["tid"] for e in sends)
         between = [e["name"] for e in main if not any(s["ts"] <= e["ts"] < s["ts"] + s["dur"] for s in steps)]
         assert between.count("aten::cross_entropy_loss") == 2 * evals_per_split  # iteration 3's evaluation
         assert CHECKPOINT_COLLECTIVES <= set(between)  # and its save

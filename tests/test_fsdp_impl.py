@@ -180,7 +180,8 @@ def test_buffer_pool_reuses_unit_buffers(results, world):
 def test_gloo_exchanges_allocate_no_buffers(results, world):
     """On gloo our all-gather (and the two-rank reduce-scatter) exchange messages point to point,
     straight into the caller's buffers; gloo's own collectives allocate a full-sized temporary per
-    call (seen here too, which shows the probe sees such allocations)."""
+    call (seen here too, which shows the probe sees such allocations). The profiler sees the
+    training thread and gloo's workers, not comm's posting thread, which only calls isend/irecv."""
     m = results(world)["memory"]
     _no_error(m, "memory")
     a = m["collective_allocations"]
@@ -223,6 +224,17 @@ def test_gloo_collectives_copy_nothing_on_the_way(results, world):
     for unit, r in m["collective_traces"].items():
         assert r["copies"]["all_gather_wait"] == [], (unit, r)
         assert r["copies"]["reduce_scatter"] == ([] if world == 2 else ["aten::_chunk_cat"]), (unit, r)
+
+
+@pytest.mark.parametrize("world", WORLDS[1:])
+def test_gloo_messages_are_posted_off_the_training_thread(results, world):
+    """gloo writes a message's bytes on the thread that posts it when the peer's receive is there
+    first: the posting thread posts every message, so the training thread never does that work."""
+    m = results(world)["memory"]
+    _no_error(m, "memory")
+    posts = m["message_posts"]
+    assert posts["training_thread"] == 0, posts
+    assert posts["other_threads"] > 0, posts  # (the probe sees them where they are)
 
 
 @pytest.mark.parametrize("world", WORLDS)
