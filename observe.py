@@ -7,6 +7,8 @@ traces and memory snapshots of a few steps. train.py owns one Observer.
                             of the run's steps PROFILE_STEPS, each a ProfilerStep#<step> range
                             holding that training step alone (evaluation and checkpointing
                             fall between the ranges); fsdp_impl.overlap reports per range.
+                            On CPU every thread is recorded (custom_fsdp's messages are posted
+                            by a thread of their own), unless --memory_snapshot=True is on too.
     --memory_snapshot=True  CUDA: torch.cuda.memory history, out_dir/memory/rank<R>.pickle (open it
                             at pytorch.org/memory_viz); CPU: a trace with every allocation and the
                             memory in use as a counter track, rank<R>.json (open it in Perfetto).
