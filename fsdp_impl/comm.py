@@ -118,7 +118,7 @@ def exchange(kind, nbytes, sends, recvs, group):
     a receive waits for the connection's lock while gloo's own thread reads. Posted by the
     training thread, the rank that came later to an exchange did that work in its training
     thread, so it stayed later, and the other rank waited for it at the end of backward (27 ms
-    of a 230 ms step, 5M parameters; IMPLEMENTATION.md).
+    of a 236 ms profiled step, 5M parameters; IMPLEMENTATION.md).
     """
     global _poster
     ledger.count(kind, nbytes)
