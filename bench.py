@@ -13,8 +13,9 @@ the exposed (not overlapped) communication time via fsdp_impl.overlap. Ratios ar
 first backend; below the table, each repeat's step time is also divided by the first backend's
 run beside it, with the median and range of those ratios: the spread says how far to trust one.
 Per backend it also prints the training thread's CPU time per step in forward and backward,
-clipping and the optimizer step (train.py's host_ms): on a GPU, the host's own work. The table
-is also written as JSON (--json; by default bench_out/bench.json, or sweep.json / comm.json for
+clipping and the optimizer step (train.py's host_ms): on a GPU, the host's own work; and rank 0's
+process CPU time per step, every thread's (train.py's cpu_ms): on a CPU machine whose cores are
+all busy, the step time follows it. The table is also written as JSON (--json; by default bench_out/bench.json, or sweep.json / comm.json for
 --sweep / --comm). A backend may carry its own train.py settings after colons
 (`fsdp:reshard_after_forward=False`); they apply to that row only, on top of the command's.
 """
@@ -103,6 +104,7 @@ def summarize_run(rows):
         # the training thread's CPU time per phase (train.py's host_ms): on a GPU, the host's own work
         "host_ms": {p: statistics.median(r["host_ms"].get(p, 0.0) for r in steps) for p in HOST_PHASES},
         "page_faults": statistics.median(r["page_faults"] for r in steps),  # rank 0's process, per step
+        "cpu_ms": statistics.median(r["cpu_ms"] for r in steps),  # the same process, all its threads
     }
 
 
@@ -141,7 +143,8 @@ def print_table(table):
     for b, row in table.items():
         print(f"{b}: training-thread CPU ms per step: " + ", ".join(
             f"{p} {fmt(row['host_ms'][p], first['host_ms'][p])}" for p in HOST_PHASES)
-            + f"; rank 0's page faults per step {row['page_faults']:,.0f}")
+            + f"; rank 0's process (all threads) CPU ms per step {fmt(row['cpu_ms'], first['cpu_ms'])}, "
+              f"page faults per step {row['page_faults']:,.0f}")
     if "ddp" in table:
         print("ddp's gradient all-reduces run inside its C++ reducer, which the counter does not see: "
               "per step they move the gradient bytes once (with AdamW, a quarter of its params+grads+optim MB).")

@@ -45,11 +45,16 @@ def peak_flops(device_name, dtype):
     return None
 
 
-def minor_page_faults():
-    """Minor page faults since this process started: pages mapped without disk I/O (fresh anonymous
-    pages, or ones handed back to the OS and touched again; file pages already cached count too).
-    Each costs the kernel a fault, inside whatever operator touched the page."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+def process_usage():
+    """(minor page faults, CPU seconds) of this process since it started, every thread's.
+
+    Minor faults are pages mapped without disk I/O (fresh anonymous pages, or ones handed back
+    to the OS and touched again; file pages already cached count too): each costs the kernel a
+    fault, inside whatever operator touched the page. The CPU time is user + system, of the
+    training thread and of every helper (gloo's, fsdp_impl's posting thread, OpenMP's): where
+    the cores are all busy, a step cannot take less than the CPU it needs over the cores it has."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_minflt, usage.ru_utime + usage.ru_stime
 
 
 def local_tensor(t):
@@ -130,7 +135,8 @@ class Observer:
         self.profile = profile
         self.steps = 0
         self.host_ms = {}  # this step's CPU time of the training thread per phase
-        self.page_faults, self._faults_before = 0, 0  # this step's minor page faults (the process's)
+        self.page_faults, self.cpu_ms = 0, 0.0  # this step's minor page faults and CPU time (the process's)
+        self._usage_before = (0, 0.0)
 
     @contextmanager
     def host_time(self, phase):
@@ -194,7 +200,7 @@ class Observer:
         if self.profiler is not None:  # (the range name is the one fsdp_impl.overlap reads)
             self.step_range = torch.profiler.record_function(f"ProfilerStep#{self.steps}")
             self.step_range.__enter__()
-        self._faults_before = minor_page_faults()  # (after the profiler's start, as the step's clock)
+        self._usage_before = process_usage()  # (after the profiler's start, as the step's clock)
 
     def _path(self, *parts):
         path = os.path.join(self.out_dir, *parts)
@@ -203,7 +209,8 @@ class Observer:
 
     def after_step(self):
         """Close the profiled step; at the window's end, write what was recorded."""
-        self.page_faults = minor_page_faults() - self._faults_before
+        faults, cpu_s = process_usage()
+        self.page_faults, self.cpu_ms = faults - self._usage_before[0], (cpu_s - self._usage_before[1]) * 1e3
         if self.step_range is not None:
             self.step_range.__exit__(None, None, None)
             self.step_range = None

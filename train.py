@@ -445,7 +445,7 @@ while True:
         mfu = gpt.estimate_mfu(local_steps * batch_size, dt, peak_flops)
         row = dict(iter=iter_num, loss=loss_mean, grad_norm=grad_norm, lr=lr, dt_ms=dt * 1000,
                    tokens_per_sec=tokens_per_iter / dt, mfu=mfu, peak_mem_mb=obs.peak_mb(), host_ms=obs.host_ms,
-                   page_faults=obs.page_faults)
+                   page_faults=obs.page_faults, cpu_ms=obs.cpu_ms)
         log_metrics(**row)
         if wandb_log:
             wandb.log({"iter": iter_num, "train/loss_step": loss_mean, "grad_norm": grad_norm,

@@ -17,7 +17,7 @@ SHARED_INPUT = REPO.parent / "shared" / "data" / "tinyshakespeare" / "input.txt"
 TINY = ["--n_layer=2", "--n_head=2", "--n_embd=32", "--block_size=32", "--batch_size=4",
         "--eval_iters=2", "--log_interval=1", "--compile=False", "--dropout=0.0", "--dtype=float32"]
 
-TRAIN_KEYS = {"iter", "loss", "grad_norm", "lr", "dt_ms", "tokens_per_sec", "mfu", "peak_mem_mb", "page_faults"}
+TRAIN_KEYS = {"iter", "loss", "grad_norm", "lr", "dt_ms", "tokens_per_sec", "mfu", "peak_mem_mb", "page_faults", "cpu_ms"}
 
 
 class RunResult(NamedTuple):

@@ -5,6 +5,7 @@ import math
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -61,7 +62,8 @@ def test_summarize_run_fields_and_medians():
     rows = [{"iter": 0, "train_loss": 4.0, "val_loss": 4.1}]
     rows += [{"iter": i, "loss": 4.0 - i / 10, "grad_norm": 1.0, "lr": 1e-3, "dt_ms": dt,
               "tokens_per_sec": 1000.0 / dt, "mfu": None, "peak_mem_mb": 100.0,
-              "host_ms": {"forward_backward": dt / 2, "clip": 1.0, "optimizer": dt / 10}, "page_faults": 3 * dt}
+              "host_ms": {"forward_backward": dt / 2, "clip": 1.0, "optimizer": dt / 10}, "page_faults": 3 * dt,
+              "cpu_ms": 2 * dt}
              for i, dt in enumerate([900.0, 500.0, 10.0, 30.0, 20.0])]
     rows += [{"event": "memory", "stage": "after first step", "rss_mb": 300.0, "params_mb": 2.0, "grads_mb": 2.0, "optim_mb": 4.0},
              {"event": "memory", "stage": "after last step", "rss_mb": 321.0, "params_mb": 2.0, "grads_mb": 1.5, "optim_mb": 4.0},
@@ -74,7 +76,7 @@ def test_summarize_run_fields_and_medians():
     assert s["all_gather_mb"] == 2.0 and s["reduce_scatter_mb"] == 1.0
     assert s["loss"] == pytest.approx(3.6)
     assert s["host_ms"] == {"forward_backward": 10.0, "clip": 1.0, "optimizer": 2.0}  # medians per phase
-    assert s["page_faults"] == 60.0
+    assert s["page_faults"] == 60.0 and s["cpu_ms"] == 40.0
     runs = [s, s | {"step_ms": 40.0, "host_ms": {"forward_backward": 30.0, "clip": 3.0, "optimizer": 4.0}}, s]
     assert bench.median_of(runs)["step_ms"] == 20.0 and bench.median_of(runs)["host_ms"]["optimizer"] == 2.0
 
@@ -94,7 +96,7 @@ def test_tokens_per_sec_and_mfu_describe_the_median_step():
     """With an even count the median averages the middle two: 20 and 40 ms give 30 ms, and the
     median of 50 and 25 tokens/s (37.5) would not be 1000 / 30. Every figure is the median step's."""
     rows = [{"iter": i, "loss": 1.0, "dt_ms": dt, "tokens_per_sec": 1000.0 / dt, "mfu": 0.6 / dt,
-             "host_ms": {}, "page_faults": 0} for i, dt in enumerate([900.0, 500.0, 20.0, 40.0])]
+             "host_ms": {}, "page_faults": 0, "cpu_ms": 0.0} for i, dt in enumerate([900.0, 500.0, 20.0, 40.0])]
     rows += [{"event": "memory", "stage": "after last step", "rss_mb": 1.0, "params_mb": 0, "grads_mb": 0, "optim_mb": 0},
              {"event": "comm_per_step", "all_gather_bytes": 0, "reduce_scatter_bytes": 0, "all_reduce_bytes": 0}]
     s = bench.summarize_run(rows)
@@ -112,7 +114,7 @@ def test_table_prints_ratios_and_reserved_memory_on_cuda(cuda, capsys):
                 "reserved_mb": reserved if cuda else None, "all_gather_mb": 0.0, "reduce_scatter_mb": 0.0,
                 "all_reduce_mb": all_reduce_mb, "exposed_comm_ms": None, "hidden_fraction": None, "mfu": None,
                 "host_ms": {"forward_backward": step_ms / 3, "clip": 0.5, "optimizer": peak / 3000},
-                "page_faults": peak / 3}
+                "page_faults": peak / 3, "cpu_ms": step_ms * 2}
     bench.print_table({"ddp": row(30.0, 9000.0, 9500.0, 1e-6), "custom_fsdp:wrap_policy=model": row(28.5, 8100.0, 8550.0, 2e-6)})
     header, base, ours, base_host, our_host, ddp_note = capsys.readouterr().out.splitlines()
     assert ("reserved MB" in header) == cuda
@@ -120,8 +122,10 @@ def test_table_prints_ratios_and_reserved_memory_on_cuda(cuda, capsys):
     assert ("8,550.0 (0.90x)" in ours) == cuda
     assert "(2.00x)" not in ours  # no ratio between two figures that print as 0.0
     assert base_host == ("ddp: training-thread CPU ms per step: forward_backward 10.0 (1.00x), clip 0.5 (1.00x), "
-                         "optimizer 3.0 (1.00x); rank 0's page faults per step 3,000")
-    assert our_host.endswith("forward_backward 9.5 (0.95x), clip 0.5 (1.00x), optimizer 2.7 (0.90x); rank 0's page faults per step 2,700")
+                         "optimizer 3.0 (1.00x); rank 0's process (all threads) CPU ms per step 60.0 (1.00x), "
+                         "page faults per step 3,000")
+    assert our_host.endswith("forward_backward 9.5 (0.95x), clip 0.5 (1.00x), optimizer 2.7 (0.90x); rank 0's "
+                             "process (all threads) CPU ms per step 57.0 (0.95x), page faults per step 2,700")
     assert ddp_note.startswith("ddp's gradient all-reduces")
 
 
@@ -188,7 +192,7 @@ def test_bench_table_has_every_backend_and_consistent_fields(nproc, exposed, cha
         assert row["mfu"] is None  # no peak FLOP/s on CPU
         assert (row["exposed_comm_ms"] is not None) == exposed and (row["hidden_fraction"] is not None) == exposed
         assert row["host_ms"]["forward_backward"] > 0 and row["host_ms"]["optimizer"] > 0
-        assert row["page_faults"] >= 0
+        assert row["page_faults"] >= 0 and row["cpu_ms"] > 0
     assert ours["state_mb"] == theirs["state_mb"]  # the same shards and AdamW state
     assert ours["all_gather_mb"] == theirs["all_gather_mb"] and ours["reduce_scatter_mb"] == theirs["reduce_scatter_mb"]
     assert (ours["all_gather_mb"] > 0) == (nproc > 1)  # one rank: nothing to communicate
@@ -374,6 +378,29 @@ def test_observer_counts_the_page_faults_of_a_step(tmp_path):
     obs.after_step()
     assert quiet < 1000 and obs.page_faults >= 16384, (quiet, obs.page_faults)
     fresh.close()
+
+
+def test_observer_counts_the_cpu_time_of_every_thread_in_a_step(tmp_path):
+    """train.py's cpu_ms: the process's CPU time in a step, not only the training thread's. A helper
+    thread that computes for 200 ms of its own CPU time while the training thread sleeps puts at
+    least that much in the step; the training thread's own clock sees almost none of it."""
+    import threading
+    import observe
+    obs = observe.Observer(str(tmp_path), "ddp", 0, "cpu", profile=False, memory_snapshot=False)
+
+    def busy():
+        start = time.thread_time()
+        while time.thread_time() - start < 0.2:
+            pass
+
+    obs.before_step()
+    main_before = time.thread_time()
+    helper = threading.Thread(target=busy)
+    helper.start()
+    helper.join()
+    main_ms = (time.thread_time() - main_before) * 1e3
+    obs.after_step()
+    assert obs.cpu_ms >= 200 and main_ms < 100, (obs.cpu_ms, main_ms)
 
 
 RETAINED_AFTER_FREE = """
