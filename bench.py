@@ -9,9 +9,11 @@ Side-by-side cost of the backends on the same model and data, from one command.
 Each backend runs train.py under torchrun; runs are interleaved (A B C A B C ...) so drift on a
 noisy machine hits every backend alike. Figures are medians over steps (the first two, which
 include warm-up, are dropped) and then over repeats; one extra profiled run per backend gives
-the exposed (not overlapped) communication time via fsdp_impl.overlap. Ratios are against the
-first backend; below the table, each repeat's step time is also divided by the first backend's
-run beside it, with the median and range of those ratios: the spread says how far to trust one.
+the exposed (not overlapped) communication time via fsdp_impl.overlap, and where it went (on CPU
+the range the training thread was in, such as the wait for one unit's reduce-scatter). Ratios
+are against the first backend; below the table, each repeat's step time is also divided by the
+first backend's run beside it, with the median and range of those ratios: the spread says how
+far to trust one.
 Per backend it also prints the training thread's CPU time per step in forward and backward,
 clipping and the optimizer step (train.py's host_ms): on a GPU, the host's own work; and rank 0's
 process CPU time per step, every thread's (train.py's cpu_ms): on a CPU machine whose cores are
@@ -146,6 +148,10 @@ def print_table(table):
             f"{p} {fmt(row['host_ms'][p], first['host_ms'][p])}" for p in HOST_PHASES)
             + f"; rank 0's process (all threads) CPU ms per step {fmt(row['cpu_ms'], first['cpu_ms'])}, "
               f"page faults per step {row['page_faults']:,.0f}")
+    for b, row in table.items():
+        if row["exposed_by_place"]:
+            print(f"{b}: exposed communication ms per step, by where it went: "
+                  + ", ".join(f"{place} {ms:.1f}" for place, ms in row["exposed_by_place"].items()))
     if "ddp" in table:
         print("ddp's gradient all-reduces run inside its C++ reducer, which the counter does not see: "
               "per step they move the gradient bytes once (with AdamW, a quarter of its params+grads+optim MB).")
@@ -171,15 +177,16 @@ def bench_backends(args, extra):
             out = run_dir(args, b, f"r{rep}")
             results[b].append(summarize_run(run_train(b, args.nproc, out, args.steps, extra)))
             print(f"  repeat {rep} {b}: {results[b][-1]['step_ms']:.1f} ms/step", flush=True)
-    table = {b: median_of(runs) | {"exposed_comm_ms": None, "comm_ms": None, "hidden_fraction": None}
-             for b, runs in results.items()}
+    table = {b: median_of(runs) | {"exposed_comm_ms": None, "comm_ms": None, "hidden_fraction": None,
+                                   "exposed_by_place": None} for b, runs in results.items()}
     for b in args.backends if args.exposed else ():  # one profiled run each: exposed communication
         out = run_dir(args, b, "profile")
         run_train(b, args.nproc, out, max(args.steps, 7), extra, profile=True)
         trace = overlap.load(os.path.join(out, "traces", split_row(b)[0], "rank0.json"))
         s = overlap.summarize(overlap.analyse(trace))
         table[b] |= {"exposed_comm_ms": s.get("exposed_ms"), "comm_ms": s.get("comm_ms"),
-                     "hidden_fraction": s.get("hidden_fraction")}
+                     "hidden_fraction": s.get("hidden_fraction"),
+                     "exposed_by_place": dict(list(overlap.exposed_by_place(trace).items())[:overlap.TOP_PLACES])}
     print(f"\n{args.nproc} processes, {args.repeats} repeats, {args.steps} steps; ratios vs {args.backends[0]}")
     print_table(table)
     paired = paired_step_ratios(results)

@@ -8,12 +8,15 @@ Compute: GPU kernels that are not NCCL's; on CPU, the time the training thread (
 runs ProfilerStep#N) spends in operators, minus the ranges where it blocks on a collective: any
 range named like a wait, a c10d call, or FSDP2's all-gather / reduce ranges (an autograd node
 that encloses a blocking hook would otherwise count as compute).
-Per step: the union of each, their intersection (hidden), and what stayed exposed.
+Per step: the union of each, their intersection (hidden), and what stayed exposed. Then where the
+exposed time went: on CPU the innermost range the training thread was in (mostly the wait that
+blocked it: which unit's all-gather or reduce-scatter to look at), on GPU the communication kernel.
 """
 import json
 import sys
 
 COMM_MARKS = ("gloo:", "nccl:", "ncclKernel", "ncclDevKernel")
+TOP_PLACES = 3  # how many places of exposed communication are listed (here and in bench.py)
 BLOCKING = ("wait", "c10d::", "FSDP::all_gather", "FSDP::post_backward_reduce")
 
 
@@ -67,31 +70,60 @@ def _clip(intervals, lo, hi):
     return [(max(s, lo), min(e, hi)) for s, e in intervals if e > lo and s < hi]
 
 
-def analyse(trace):
-    """Per-step {'step', 'comm_ms', 'compute_ms', 'hidden_ms', 'exposed_ms', 'hidden_fraction'}."""
+def _is_comm(e):
+    return any(mark in e["name"] for mark in COMM_MARKS)
+
+
+def _timelines(trace):
+    """(steps, the events exposed communication is attributed to, communication, compute); the
+    last two as merged intervals."""
     events = [e for e in trace["traceEvents"] if e.get("ph") == "X" and "dur" in e]
     steps = sorted((e for e in events if e["name"].startswith("ProfilerStep#")), key=lambda e: e["ts"])
-    main_tid = steps[0]["tid"] if steps else None
-    on_gpu = any(e.get("cat") == "kernel" for e in events)
-    comm = [_span(e) for e in events if any(mark in e["name"] for mark in COMM_MARKS)]
-    if on_gpu:
-        compute = _union(_span(e) for e in events
-                         if e.get("cat") == "kernel" and not any(m in e["name"] for m in COMM_MARKS))
-    else:
-        on_main = [e for e in events if e["tid"] == main_tid]
-        busy = _union(_span(e) for e in on_main if e.get("cat") == "cpu_op")
-        blocked = _union(_span(e) for e in on_main if any(b in e["name"] for b in BLOCKING))
-        compute = _subtract(busy, blocked)
+    comm = [e for e in events if _is_comm(e)]
+    if any(e.get("cat") == "kernel" for e in events):  # GPU
+        compute = _union(_span(e) for e in events if e.get("cat") == "kernel" and not _is_comm(e))
+        return steps, comm, _union(map(_span, comm)), compute
+    on_main = [e for e in events if steps and e["tid"] == steps[0]["tid"]]  # the training thread
+    busy = _union(_span(e) for e in on_main if e.get("cat") == "cpu_op")
+    blocked = _union(_span(e) for e in on_main if any(b in e["name"] for b in BLOCKING))
+    ranges = [e for e in on_main if not e["name"].startswith("ProfilerStep#")]
+    return steps, ranges, _union(map(_span, comm)), _subtract(busy, blocked)
+
+
+def analyse(trace):
+    """Per-step {'step', 'comm_ms', 'compute_ms', 'hidden_ms', 'exposed_ms', 'hidden_fraction'}."""
+    steps, _, comm, compute = _timelines(trace)
     rows = []
     for step in steps:
         lo, hi = step["ts"], step["ts"] + step["dur"]
-        c, k = _union(_clip(comm, lo, hi)), _clip(compute, lo, hi)
+        c, k = _clip(comm, lo, hi), _clip(compute, lo, hi)
         comm_us, hidden_us = _length(c), _length(_intersection(c, k))
         rows.append({"step": step["name"], "step_ms": step["dur"] / 1e3, "comm_ms": comm_us / 1e3,
                      "compute_ms": _length(k) / 1e3, "hidden_ms": hidden_us / 1e3,
                      "exposed_ms": (comm_us - hidden_us) / 1e3,
                      "hidden_fraction": hidden_us / comm_us if comm_us else None})
     return rows
+
+
+OUTSIDE = "(outside any range)"
+
+
+def exposed_by_place(trace):
+    """{where: exposed ms per step}, largest first: each exposed stretch goes to the innermost
+    event covering it (on CPU, the training thread's ranges; on GPU, the communication kernels)."""
+    steps, places, comm, compute = _timelines(trace)
+    totals = {}
+    for step in steps:
+        lo, hi = step["ts"], step["ts"] + step["dur"]
+        in_step = [e for e in places if e["ts"] < hi and e["ts"] + e["dur"] > lo]
+        for start, end in _subtract(_clip(comm, lo, hi), _clip(compute, lo, hi)):
+            inside = [e for e in in_step if e["ts"] < end and e["ts"] + e["dur"] > start]
+            cuts = sorted({start, end} | {t for e in inside for t in _span(e) if start < t < end})
+            for a, b in zip(cuts, cuts[1:]):
+                cover = [e for e in inside if e["ts"] <= a and e["ts"] + e["dur"] >= b]
+                name = min(cover, key=lambda e: e["dur"])["name"] if cover else OUTSIDE
+                totals[name] = totals.get(name, 0.0) + (b - a) / 1e3 / len(steps)
+    return dict(sorted(totals.items(), key=lambda kv: -kv[1]))
 
 
 def summarize(rows):
@@ -121,9 +153,13 @@ if __name__ == "__main__":
     if len(sys.argv) < 2:
         raise SystemExit("usage: python -m fsdp_impl.overlap TRACE [TRACE ...]   (--profile=True writes them)")
     for path in sys.argv[1:]:
-        rows = analyse(load(path))
+        trace = load(path)
+        rows = analyse(trace)
         print(path)
         for r in rows:
             frac = "-" if r["hidden_fraction"] is None else f"{r['hidden_fraction']:.0%}"
             print(f"  {r['step']:>16}: step {r['step_ms']:8.1f} ms, comm {r['comm_ms']:7.1f} ms, "
                   f"compute {r['compute_ms']:7.1f} ms, hidden {frac:>4}, exposed {r['exposed_ms']:7.1f} ms")
+        print("  exposed ms per step, by where it went:")
+        for name, ms in list(exposed_by_place(trace).items())[:TOP_PLACES] or [("nothing exposed", 0.0)]:
+            print(f"    {ms:7.2f}  {name}")

@@ -58,6 +58,31 @@ def test_overlap_gpu_trace_counts_kernels_per_step():
     assert overlap.summarize([first, second])["hidden_fraction"] == pytest.approx((0.025 + 0.040) / 0.090)
 
 
+def test_exposed_time_goes_to_the_innermost_range_the_training_thread_was_in():
+    # gloo communicates 30-90; the training thread computes 0-40 and 70-100. Exposed 40-70: 40-45 and
+    # 55-60 in the FSDP wait range, 45-55 in the c10d call inside it, 60-70 in no range at all.
+    trace = {"traceEvents": [
+        op("ProfilerStep#1", 0, 100, cat="user_annotation"),
+        op("aten::mm", 0, 40), op("fsdp::all_gather_wait h.0", 40, 20, cat="user_annotation"),
+        op("c10d::allgather_", 45, 10), op("aten::mm", 70, 30), op("gloo:all_gather", 30, 60, tid=2),
+    ]}
+    places = overlap.exposed_by_place(trace)
+    assert places == {"fsdp::all_gather_wait h.0": pytest.approx(0.010), "c10d::allgather_": pytest.approx(0.010),
+                      overlap.OUTSIDE: pytest.approx(0.010)}
+    assert sum(places.values()) == pytest.approx(overlap.analyse(trace)[0]["exposed_ms"])
+
+
+def test_exposed_time_on_gpu_goes_to_the_communication_kernel_averaged_over_steps():
+    trace = {"traceEvents": [
+        op("ProfilerStep#1", 0, 100, cat="user_annotation"), op("ProfilerStep#2", 100, 100, cat="user_annotation"),
+        op("sm90_gemm", 0, 50, tid=7, cat="kernel"), op("ncclDevKernel_AllGather", 25, 50, tid=8, cat="kernel"),
+        op("sm90_gemm", 100, 40, tid=7, cat="kernel"), op("ncclDevKernel_ReduceScatter", 130, 20, tid=8, cat="kernel"),
+    ]}
+    places = overlap.exposed_by_place(trace)  # 25 us in step 1, 10 us in step 2
+    assert list(places) == ["ncclDevKernel_AllGather", "ncclDevKernel_ReduceScatter"]
+    assert places == {"ncclDevKernel_AllGather": pytest.approx(0.0125), "ncclDevKernel_ReduceScatter": pytest.approx(0.005)}
+
+
 def test_summarize_run_fields_and_medians():
     rows = [{"iter": 0, "train_loss": 4.0, "val_loss": 4.1}]
     rows += [{"iter": i, "loss": 4.0 - i / 10, "grad_norm": 1.0, "lr": 1e-3, "dt_ms": dt,
@@ -113,6 +138,7 @@ def test_table_prints_ratios_and_reserved_memory_on_cuda(cuda, capsys):
         return {"step_ms": step_ms, "tokens_per_sec": 1e5 / step_ms, "peak_mem_mb": peak, "state_mb": 10.0,
                 "reserved_mb": reserved if cuda else None, "all_gather_mb": 0.0, "reduce_scatter_mb": 0.0,
                 "all_reduce_mb": all_reduce_mb, "exposed_comm_ms": None, "hidden_fraction": None, "mfu": None,
+                "exposed_by_place": None,
                 "host_ms": {"forward_backward": step_ms / 3, "clip": 0.5, "optimizer": peak / 3000},
                 "page_faults": peak / 3, "cpu_ms": step_ms * 2}
     bench.print_table({"ddp": row(30.0, 9000.0, 9500.0, 1e-6), "custom_fsdp:wrap_policy=model": row(28.5, 8100.0, 8550.0, 2e-6)})
@@ -127,6 +153,18 @@ def test_table_prints_ratios_and_reserved_memory_on_cuda(cuda, capsys):
     assert our_host.endswith("forward_backward 9.5 (0.95x), clip 0.5 (1.00x), optimizer 2.7 (0.90x); rank 0's "
                              "process (all threads) CPU ms per step 57.0 (0.95x), page faults per step 2,700")
     assert ddp_note.startswith("ddp's gradient all-reduces")
+
+
+def test_table_says_where_exposed_communication_went(capsys):
+    row = {"step_ms": 30.0, "tokens_per_sec": 1.0, "peak_mem_mb": 1.0, "state_mb": 1.0, "reserved_mb": None,
+           "all_gather_mb": 1.0, "reduce_scatter_mb": 1.0, "all_reduce_mb": 0.0, "exposed_comm_ms": 12.0,
+           "hidden_fraction": 0.9, "mfu": None, "host_ms": {p: 1.0 for p in bench.HOST_PHASES}, "page_faults": 0,
+           "cpu_ms": 1.0, "exposed_by_place": {"fsdp::reduce_scatter_wait h.0": 9.75, overlap.OUTSIDE: 1.25}}
+    bench.print_table({"custom_fsdp": row, "fsdp": row | {"exposed_by_place": {}}})
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[-1] == ("custom_fsdp: exposed communication ms per step, by where it went: "
+                         "fsdp::reduce_scatter_wait h.0 9.8, (outside any range) 1.2")
+    assert not any(line.startswith("fsdp: exposed") for line in lines)  # nothing exposed: no line
 
 
 def test_paired_ratios_divide_each_repeat_by_the_first_rows_run_beside_it(capsys):
@@ -193,6 +231,11 @@ def test_bench_table_has_every_backend_and_consistent_fields(nproc, exposed, cha
         assert (row["exposed_comm_ms"] is not None) == exposed and (row["hidden_fraction"] is not None) == exposed
         assert row["host_ms"]["forward_backward"] > 0 and row["host_ms"]["optimizer"] > 0
         assert row["page_faults"] >= 0 and row["cpu_ms"] > 0
+        if exposed:  # the largest places, in ms per step: part of the exposed time, largest first
+            places = list(row["exposed_by_place"].values())
+            assert places == sorted(places, reverse=True) and 0 < sum(places) <= row["exposed_comm_ms"] + 1e-9
+        else:
+            assert row["exposed_by_place"] is None
     assert ours["state_mb"] == theirs["state_mb"]  # the same shards and AdamW state
     assert ours["all_gather_mb"] == theirs["all_gather_mb"] and ours["reduce_scatter_mb"] == theirs["reduce_scatter_mb"]
     assert (ours["all_gather_mb"] > 0) == (nproc > 1)  # one rank: nothing to communicate
@@ -320,8 +363,9 @@ def test_profiled_steps_hold_training_steps_only_and_enclose_their_logged_time(b
     cli = subprocess.run([sys.executable, "-m", "fsdp_impl.overlap", str(tmp_path / "traces" / backend / "rank0.json")],
                          cwd=REPO, capture_output=True, text=True, timeout=60)
     assert cli.returncode == 0, cli.stderr
-    assert [line.split(":")[0].strip() for line in cli.stdout.splitlines()[1:]] == \
-        ["ProfilerStep#2", "ProfilerStep#3", "ProfilerStep#4"]
+    path, *step_lines, places_header = cli.stdout.splitlines()[:5]
+    assert [line.split(":")[0].strip() for line in step_lines] == ["ProfilerStep#2", "ProfilerStep#3", "ProfilerStep#4"]
+    assert places_header.strip() == "exposed ms per step, by where it went:"
 
 
 @pytest.mark.parametrize("max_iters,recorded", [(2, []), (3, ["ProfilerStep#2"])])
