@@ -190,9 +190,9 @@ class Observer:
             # the profiler then records no allocations, so a memory timeline has the training
             # thread's (and gloo's workers'), not that thread's (which posts, allocating nothing)
             threads = torch._C._profiler._ExperimentalConfig(profile_all_threads=not (self.cuda or mem))
-            if mem and self.profile and self.backend_name == "custom_fsdp" and self.rank == 0:
+            if mem and self.profile and comm.posting_thread_started() and self.rank == 0:
                 print("--profile=True with --memory_snapshot=True on CPU: the trace records allocations, so it "
-                      "leaves out the thread that posts custom_fsdp's messages; for the overlap, profile "
+                      "leaves out the thread that posts fsdp_impl's messages; for the overlap, profile "
                       "without --memory_snapshot", flush=True)
             self.profiler = torch.profiler.profile(activities=acts, record_shapes=mem, profile_memory=mem,
                                                    with_stack=mem, experimental_config=threads)

@@ -127,6 +127,11 @@ def exchange(kind, nbytes, sends, recvs, group):
     return _poster.submit(_post, TAGS[kind], sends, recvs, group)
 
 
+def posting_thread_started():
+    """Whether this process posts messages from the posting thread (an exchange has run)."""
+    return _poster is not None
+
+
 def _post(tag, sends, recvs, group):
     works = []
     # sends first: with the receives posted first (and the all-gather's own copy before both), a

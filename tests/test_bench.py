@@ -8,6 +8,7 @@ import sys
 import time
 
 import pytest
+from unittest import mock
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import bench  # noqa: E402
@@ -291,7 +292,7 @@ def test_train_writes_traces_memory_reports_and_a_memory_trace(char_data, tmp_pa
                     "--block_size=32", "--batch_size=2", "--max_iters=6", "--eval_iters=1",
                     "--dist_backend=custom_fsdp", "--profile=True", "--memory_snapshot=True")
     assert res.returncode == 0, res.describe()
-    assert "leaves out the thread that posts custom_fsdp's messages" in res.stdout  # (both flags on CPU)
+    assert "leaves out the thread that posts fsdp_impl's messages" in res.stdout  # (both flags on CPU)
     for rank in (0, 1):
         with open(tmp_path / "traces" / "custom_fsdp" / f"rank{rank}.json") as f:
             trace = json.load(f)
@@ -445,6 +446,23 @@ def test_observer_counts_the_cpu_time_of_every_thread_in_a_step(tmp_path):
     main_ms = (time.thread_time() - main_before) * 1e3
     obs.after_step()
     assert obs.cpu_ms >= 200 and main_ms < 100, (obs.cpu_ms, main_ms)
+
+
+@pytest.mark.parametrize("posting", [False, True])
+def test_memory_trace_notice_only_where_messages_are_posted_off_the_training_thread(posting, tmp_path, capsys):
+    """--profile with --memory_snapshot on CPU records allocations, which leaves out other threads:
+    the run says so exactly when fsdp_impl's posting thread carries its messages (custom_fsdp on
+    gloo at W>1), not for DDP, FSDP2 or a one-rank run, whose communication the trace still sees."""
+    import observe
+    from fsdp_impl import comm
+    obs = observe.Observer(str(tmp_path), "custom_fsdp", 0, "cpu", profile=True, memory_snapshot=True)
+    obs.steps = observe.PROFILE_STEPS[0]
+    with mock.patch.object(comm, "_poster", object() if posting else None):
+        obs.before_step()
+    obs.after_step()
+    obs.finish()
+    assert ("leaves out the thread that posts fsdp_impl's messages" in capsys.readouterr().out) == posting
+    assert (tmp_path / "traces" / "custom_fsdp" / "rank0.json").exists()
 
 
 RETAINED_AFTER_FREE = """
