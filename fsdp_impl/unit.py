@@ -256,6 +256,9 @@ class ShardedUnit:
         """Issue the all-gather (asynchronous); wait_unshard() makes the parameters usable."""
         if self.state != SHARDED:
             return
+        if not self.params:  # no parameters of its own (all in nested units): nothing to gather, as in FSDP2
+            self.state = UNSHARDED
+            return
         with profiled(f"fsdp::all_gather {self.name}"), torch.no_grad():
             ledger.log("all_gather", self.name)
             shard = self.flat_shard

@@ -149,6 +149,15 @@ def build_odd(impl, mesh):
     return m
 
 
+class Wrapper(nn.Module):
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, *args):
+        return self.inner(*args)
+
+
 # ---- data ---------------------------------------------------------------------------------
 def batch(mode, rank, step, micro, vocab=CFG["vocab_size"], seq=SEQ):
     g = torch.Generator().manual_seed(zlib.crc32(f"{mode}/{rank}/{step}/{micro}".encode()))
@@ -435,6 +444,21 @@ def parity_modes(world, mesh1d, mesh2d):
     def odd_model(impl):
         return train(build_odd(impl, mesh1d), "odd_model", vocab=11, seq=6)
     modes["odd_model"] = odd_model
+
+    @no_extra
+    def units_without_params(impl):
+        """fully_shard on modules with no parameters of their own: each block (its four children are
+        units) and a root wrapping the GPT. Nothing to gather for them (FSDP2 issues nothing)."""
+        shard, _ = IMPLS[impl]
+        gpt = GPT(GPTConfig(**CFG))
+        gpt.init_weights(0)
+        for block in gpt.transformer.h:
+            for child in block.children():
+                shard(child, mesh=mesh1d)
+            shard(block, mesh=mesh1d)
+        shard(gpt, mesh=mesh1d)
+        return train(shard(Wrapper(gpt), mesh=mesh1d), "units_without_params")
+    modes["units_without_params"] = units_without_params
 
     def odd_model_frozen_untouched(impl):
         m = build_odd(impl, mesh1d)

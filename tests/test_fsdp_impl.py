@@ -65,7 +65,7 @@ def _no_error(section, what):
 PARITY_MODES = ["default", "grouped_blocks", "zero2", "grad_accum", "grad_accum_sync_each",
                 "no_reshard_after_backward", "no_reshard_after_backward_sync_on", "bf16_mp",
                 "bf16_grad_accum", "no_buffer_pool", "library_collectives", "meta_init", "eval_between_steps", "resume",
-                "grad_clip", "activation_checkpointing", "odd_model", "odd_model_frozen"]
+                "grad_clip", "activation_checkpointing", "odd_model", "odd_model_frozen", "units_without_params"]
 HSDP_MODES = ["hsdp", "hsdp_all_reduce_off"]
 MICRO_STEP_MODES = {"grad_accum", "grad_accum_sync_each", "no_reshard_after_backward",
                     "no_reshard_after_backward_sync_on", "bf16_grad_accum", "no_buffer_pool", "library_collectives",
