@@ -17,7 +17,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.utils import _apply_to_tensors
 
 from .schedule import Schedule
-from .unit import ShardedUnit
+from .unit import GATHERING, ShardedUnit
 
 
 @dataclass(frozen=True)
@@ -139,6 +139,11 @@ class _InputGradGate(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
+        if ctx.unit.state == GATHERING:  # the backward just read parameters that were still arriving
+            raise RuntimeError(
+                f"fully_shard({ctx.unit.name}): its backward ran before its parameters were gathered, because the "
+                "hook on its output did not run; an in-place op on an output that is a view removes that hook: "
+                "change such an output out of place, or clone it first")
         ctx.unit.post_backward()
         return (None, *grads)
 

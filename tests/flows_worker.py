@@ -543,6 +543,30 @@ def fully_shard_twice(impl, mesh):
     return rec
 
 
+def inplace_on_a_view_output(impl, mesh):
+    """blocks.0 returns a view, which a forward hook then changes in place: that replaces the view's
+    autograd history, and with it the hook that gathers the unit for its backward, whose gather
+    blocks.1's backward has prefetched. What is raised (FSDP2: a RuntimeError, as its parameters'
+    storage is empty), and whether, after reset_iter_state(), the model trains a step."""
+    model = build(impl, mesh)
+    block = model.blocks[0]
+    block.forward = lambda x, forward=block.forward: forward(x).view(-1, D)
+    hook = block.register_forward_hook(lambda module, args, out: out.mul_(1.5))
+    try:
+        plain_step(model, 0)
+        rec = {"raised": None}
+    except Exception as e:
+        rec = {"raised": type(e).__name__, "message": str(e)}
+    model.reset_iter_state()
+    hook.remove()
+    try:
+        plain_step(model, 1)
+        rec["trains_after"] = True
+    except Exception:
+        rec["trains_after"], rec["traceback"] = False, traceback.format_exc()
+    return rec
+
+
 # ---- comparison -------------------------------------------------------------------------------
 def diff(a, b):
     """(max |a - b| over the dicts' tensors, bitwise equal); inf where one is None or shapes differ."""
@@ -589,7 +613,8 @@ def main():
     dist.init_process_group("gloo")
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     result = {flow.__name__: compare(flow, mesh) for flow in FLOWS}
-    for check in (grouped_unit_output_dtypes, freed_after_del, fully_shard_twice, list_argument_and_dropped_forward):
+    for check in (grouped_unit_output_dtypes, freed_after_del, fully_shard_twice, list_argument_and_dropped_forward,
+                  inplace_on_a_view_output):
         result[check.__name__] = {impl: check(impl, mesh) for impl in ("fsdp2", "ours")}
     # The last flow can kill the process (fsdp_impl segfaulted there). The other flows' results are
     # written first, then again with this flow's record: after a crash the report lacks it (and the

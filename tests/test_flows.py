@@ -113,6 +113,17 @@ def test_fully_shard_twice_is_a_clear_error(report):
     assert r["ours"]["trains_after"], f"the failed call left the model broken:\n{r['ours'].get('traceback')}"
 
 
+def test_backward_without_its_gather_is_a_clear_error(report):
+    """A unit whose output hook was lost (an in-place op on a view output) must not train on
+    parameters still arriving (it gave wrong gradients, NaN at 4 ranks): a RuntimeError naming the
+    unit and the cause, where FSDP2 fails on its empty parameter storage."""
+    r = report["inplace_on_a_view_output"]
+    assert r["fsdp2"]["raised"] == "RuntimeError", r["fsdp2"]  # the reference behaviour
+    assert r["ours"]["raised"] == "RuntimeError", r["ours"]
+    assert "blocks.0" in r["ours"]["message"] and "in-place" in r["ours"]["message"], r["ours"]["message"]
+    assert r["ours"]["trains_after"], f"reset_iter_state() left the model broken:\n{r['ours'].get('traceback')}"
+
+
 def test_non_root_forward_first_raises(report):
     """A block run before the root's first forward: a clear RuntimeError naming the root, as FSDP2
     gives, not a crash (the worker runs this last, after writing the other flows' results)."""
