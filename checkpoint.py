@@ -18,6 +18,7 @@ import signal
 import sys
 import warnings
 import zlib
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
@@ -26,6 +27,9 @@ from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_o
                                                      set_model_state_dict, set_optimizer_state_dict)
 
 FORMAT_VERSION = 1
+# what the readers (train.py, sample.py, the export below) take from a manifest, beside the version
+MANIFEST_FIELDS = {"files": dict, "iter_num": int, "best_val_loss": (float, int), "model_args": dict, "config": dict}
+MODEL_ARGS = {"n_layer", "n_head", "n_embd", "block_size", "bias", "vocab_size"}  # the model's shape
 
 
 def _dcp(op, state, path):
@@ -143,9 +147,20 @@ def read_manifest(path, verify=True):
         raise CheckpointError(f"checkpoint {path} is incomplete (no manifest.json)")
     except (json.JSONDecodeError, UnicodeDecodeError):
         raise CheckpointError(f"checkpoint {path} has a corrupt manifest.json")
+    if not isinstance(manifest, dict):
+        raise CheckpointError(f"checkpoint {path} has a corrupt manifest.json (not a JSON object)")
     version = manifest.get("format_version")
     if version != FORMAT_VERSION:
         raise CheckpointError(f"checkpoint {path} has format version {version}; this code reads {FORMAT_VERSION}")
+    for key, kind in MANIFEST_FIELDS.items():
+        if not isinstance(manifest.get(key), kind):
+            raise CheckpointError(f"checkpoint {path} has a corrupt manifest.json ('{key}' is missing or of the wrong type)")
+    if not all(isinstance(d, dict) and d.keys() == {"bytes", "crc32"} for d in manifest["files"].values()):
+        raise CheckpointError(f"checkpoint {path} has a corrupt manifest.json (a 'files' entry is not "
+                              "{'bytes': ..., 'crc32': ...})")
+    missing = MODEL_ARGS - manifest["model_args"].keys()
+    if missing:
+        raise CheckpointError(f"checkpoint {path} has a corrupt manifest.json ('model_args' lacks {', '.join(sorted(missing))})")
     if verify:
         found = _file_digests(path)
         for name, want in manifest["files"].items():
@@ -197,19 +212,35 @@ def load(path, model, optimizer):
     this run's settings (weight decay, betas: a resume may change them); its state (moments, step
     counts) is the checkpoint's."""
     settings = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
-    state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
-    _dcp(dcp.load, state, path)
-    set_model_state_dict(model, state["model"])
-    set_optimizer_state_dict(model, optimizer, state["optim"])
+    with _load_errors(path):
+        state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
+        _dcp(dcp.load, state, path)
+        set_model_state_dict(model, state["model"])
+        set_optimizer_state_dict(model, optimizer, state["optim"])
     for group, mine in zip(optimizer.param_groups, settings):
         group.update(mine)
 
 
 def load_model_only(path, model):
     """Load just the model weights into a plain (unsharded, single-process) model."""
-    state = {"model": get_model_state_dict(model)}
-    _dcp(dcp.load, state, path)
-    set_model_state_dict(model, state["model"])
+    with _load_errors(path):
+        state = {"model": get_model_state_dict(model)}
+        _dcp(dcp.load, state, path)
+        set_model_state_dict(model, state["model"])
+
+
+@contextmanager
+def _load_errors(path):
+    """Whatever a load raises becomes a one-line CheckpointError: a shape that does not match, a file
+    DCP cannot parse. DCP reports those as a CheckpointException, a BaseException (which `except
+    Exception` misses) holding each failed rank's error and traceback: the lowest rank's is named."""
+    try:
+        yield
+    except (Exception, dcp.CheckpointException) as e:
+        error = e.failures[min(e.failures)][0] if isinstance(e, dcp.CheckpointException) and e.failures else e
+        message = str(error).strip().splitlines()
+        raise CheckpointError(f"cannot load checkpoint {path}: {type(error).__name__}"
+                              + (f": {message[0]}" if message else "")) from None
 
 
 if __name__ == "__main__":
@@ -218,10 +249,10 @@ if __name__ == "__main__":
         raise SystemExit("usage: python checkpoint.py OUT_DIR   (writes OUT_DIR/ckpt.pt from its latest checkpoint)")
     try:
         ckpt, manifest = load_manifest(sys.argv[1])
+        gpt = GPT(GPTConfig(**manifest["model_args"]))
+        load_model_only(ckpt, gpt)
     except CheckpointError as e:
         raise SystemExit(f"error: {e}")
-    gpt = GPT(GPTConfig(**manifest["model_args"]))
-    load_model_only(ckpt, gpt)
     out = os.path.join(sys.argv[1], "ckpt.pt")
     torch.save({"model": gpt.state_dict(), "model_args": manifest["model_args"],
                 "iter_num": manifest["iter_num"], "best_val_loss": manifest["best_val_loss"],

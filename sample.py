@@ -6,7 +6,8 @@ Sample from a trained model: any checkpoint, whatever backend and world size wro
 
 Reads the newer (by iteration) of out_dir/ckpt.pt (see `python checkpoint.py OUT_DIR`) and the
 latest checkpoint directory, straight into one unsharded model on one process, and names it on
-stderr (stdout holds only the samples).
+stderr (stdout holds only the samples). An unreadable ckpt.pt is named there and passed over when
+a checkpoint directory exists.
 """
 import os
 import pickle
@@ -28,7 +29,11 @@ def load_newest(out_dir):
         try:  # mmap: the weights are read only if this one is used
             exported = torch.load(ckpt_pt, map_location="cpu", mmap=True)
         except (RuntimeError, pickle.UnpicklingError) as e:
-            raise checkpoint.CheckpointError(f"cannot read {ckpt_pt}: {str(e).splitlines()[0]}")
+            unreadable = f"cannot read {ckpt_pt}: {str(e).splitlines()[0]}"
+            if not os.path.exists(os.path.join(out_dir, "latest")):
+                raise checkpoint.CheckpointError(unreadable)
+            # an export is a copy of a checkpoint directory's weights: that directory's newest is here
+            print(f"{unreadable}; reading the latest checkpoint directory instead", file=sys.stderr)
     latest = None
     if exported is None or os.path.exists(os.path.join(out_dir, "latest")):
         # (with no ckpt.pt either, this raises the error that names the missing 'latest')

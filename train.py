@@ -276,8 +276,8 @@ optimizer = gpt.configure_optimizers(weight_decay, learning_rate, (beta1, beta2)
 if init_from == "resume":
     try:
         checkpoint.load(ckpt_path, model, optimizer)
-    except Exception as e:  # DCP raises many kinds; the manifest checks caught the common ones
-        fail(f"cannot load checkpoint {ckpt_path}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+    except checkpoint.CheckpointError as e:
+        fail(str(e))
     iter_num, best_val_loss = manifest["iter_num"], manifest["best_val_loss"]
     back.load_loss_scale_state(manifest.get("loss_scale"))
     if master:
@@ -448,7 +448,7 @@ while True:
                    page_faults=obs.page_faults, cpu_ms=obs.cpu_ms)
         log_metrics(**row)
         if wandb_log:
-            wandb.log({"iter": iter_num, "train/loss_step": loss_mean, "grad_norm": grad_norm,
+            wandb.log({"iter": iter_num, "train/loss_step": loss_mean, "grad_norm": grad_norm, "lr": lr,
                        "tokens_per_sec": row["tokens_per_sec"]})
         if iter_num % log_interval == 0:
             mfu_text = f", mfu {mfu * 100:.2f}%" if mfu is not None else ""

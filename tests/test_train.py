@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from conftest import (REPO, TRAIN_KEYS, clone_checkpoint, launch, launcher, load_metrics, losses,
-                      run_train)
+                      one_error_line, run_train)
 
 sys.path.insert(0, str(REPO))
 
@@ -421,6 +421,57 @@ def test_damaged_checkpoint_is_refused_and_untouched(damage, nproc, runs_b, tiny
     line = assert_one_error(res, victim.name)
     assert "corrupt" in line.lower() or "truncat" in line.lower(), line
     assert snapshot(out) == before, "a refused resume changed files in out_dir"
+
+
+def _wider(manifest):
+    manifest["model_args"]["n_embd"] = manifest["config"]["n_embd"] = 64
+    return manifest
+
+
+# The manifest carries no checksum of its own: edits that leave the file checks passing reach the
+# manifest's readers and DCP's loader, which raises a BaseException (CheckpointException).
+# damage -> (edit of the manifest, truncate the shards too, a word of the error line)
+MANIFEST_DAMAGE = {
+    "shape_not_in_the_shards": (_wider, False, "size mismatch"),
+    "shards_truncated_and_unlisted": (lambda m: {**m, "files": {}}, True, "cannot load checkpoint"),
+    "files_missing": (lambda m: {k: v for k, v in m.items() if k != "files"}, False, "'files'"),
+    "not_an_object": (lambda m: [m], False, "not a JSON object"),
+    "model_args_incomplete": (lambda m: {**m, "model_args": {"n_layer": 2}}, False, "n_embd"),
+}
+
+
+@pytest.mark.parametrize("damage", MANIFEST_DAMAGE)
+def test_damaged_manifest_is_one_line_for_every_reader(damage, runs_b, tiny_args, tmp_path):
+    """train.py's resume, checkpoint.py's export and sample.py each refuse in one line naming the
+    problem (they printed tracebacks), and leave the files as they were."""
+    edit, truncate, named = MANIFEST_DAMAGE[damage]
+    out = clone_checkpoint(runs_b["custom_fsdp"], 8, tmp_path / "out")
+    ckpt = out / "ckpt-0000008"
+    if truncate:
+        for shard in ckpt.glob("*.distcp"):
+            shard.write_bytes(shard.read_bytes()[:100])
+    manifest = ckpt / "manifest.json"
+    manifest.write_text(json.dumps(edit(json.loads(manifest.read_text()))))
+    before = snapshot(out)
+    wider = ["--n_embd=64"] if damage == "shape_not_in_the_shards" else []  # (else train.py refuses the shape first)
+    assert_one_error(run_train(out, 2, *tiny_args, *CONFIG_B[:2], *wider, "--max_iters=12", "--eval_interval=4",
+                               "--dist_backend=custom_fsdp", "--init_from=resume"), str(ckpt), named)
+    for tool in (["checkpoint.py", out], ["sample.py", f"--out_dir={out}", "--device=cpu", "--max_new_tokens=5"]):
+        res = launch([sys.executable, REPO / tool[0], *tool[1:]], timeout=300)
+        assert named.lower() in one_error_line(res).lower() and "Traceback" not in res.stderr, res.describe()
+    assert snapshot(out) == before, "a refused load changed files in out_dir"
+
+
+def test_sample_passes_over_an_unreadable_export(exported, tmp_path):
+    """A damaged ckpt.pt beside a checkpoint directory: sample.py names it and samples from the directory."""
+    out = tmp_path / "out"
+    shutil.copytree(exported, out)
+    (out / "ckpt.pt").write_bytes((out / "ckpt.pt").read_bytes()[:1000])
+    res = launch([sys.executable, REPO / "sample.py", f"--out_dir={out}", "--device=cpu", "--num_samples=1",
+                  "--max_new_tokens=5"], timeout=300)
+    assert res.returncode == 0, res.describe()
+    assert f"cannot read {out / 'ckpt.pt'}" in res.stderr and f"loaded {out / 'ckpt-0000008'}" in res.stderr, \
+        res.describe()
 
 
 def test_damaged_latest_names_the_intact_checkpoint_before_it(runs_b, tiny_args, tmp_path):
