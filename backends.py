@@ -117,6 +117,8 @@ def make_backend(name, cfg):
         raise BackendError(f"unknown dist_backend '{name}' (choose one of {', '.join(BACKENDS)})")
     if cfg["dtype"] not in DTYPES:
         raise BackendError(f"unknown dtype '{cfg['dtype']}' (choose one of {', '.join(DTYPES)})")
+    if cfg["wrap_policy"] not in WRAP_POLICIES:  # (checked under ddp too: the same flags go to every backend)
+        raise BackendError(f"unknown wrap_policy '{cfg['wrap_policy']}' (choose one of {', '.join(WRAP_POLICIES)})")
     return DDPBackend(cfg) if name == "ddp" else FSDPBackend(name, cfg)
 
 
@@ -248,8 +250,6 @@ class FSDPBackend(Backend):
         super().__init__(cfg)
         if self.dtype == torch.float16:
             raise BackendError("dtype=float16 needs loss scaling, which the sharded backends do not do: use bfloat16")
-        if cfg["wrap_policy"] not in WRAP_POLICIES:
-            raise BackendError(f"unknown wrap_policy '{cfg['wrap_policy']}' (choose one of {', '.join(WRAP_POLICIES)})")
         replicas = cfg["replicate_degree"]
         if replicas < 1 or self.world_size % replicas:
             raise BackendError(f"replicate_degree={replicas} does not divide the world size {self.world_size}")

@@ -228,6 +228,7 @@ class Observer:
             print(f"{' and '.join(asked)}: nothing recorded: this run trained {self.steps} step(s), and the "
                   f"recorded ones are its steps {PROFILE_STEPS[0]}-{PROFILE_STEPS[1] - 1} (counting from 0): "
                   f"train at least {PROFILE_STEPS[0] + 1}", flush=True)
+        paths = []
         if self.profiler is not None:
             self.profiler.stop()
             paths = ([self._path("traces", self.backend_name, f"rank{self.rank}.json")] if self.profile else []) + \
@@ -237,6 +238,9 @@ class Observer:
                 shutil.copyfile(paths[0], extra)  # a trace can be exported only once
             self.profiler = None
         if self.memory_snapshot and self.cuda and self.steps > PROFILE_STEPS[0]:
-            torch.cuda.memory._dump_snapshot(self._path("memory", f"rank{self.rank}.pickle"))
+            paths.append(self._path("memory", f"rank{self.rank}.pickle"))
+            torch.cuda.memory._dump_snapshot(paths[-1])
             torch.cuda.memory._record_memory_history(enabled=None)
+        if paths and self.rank == 0:
+            print(f"wrote {', '.join(paths)} (and each rank's beside them)", flush=True)
         self.memory_snapshot = self.profile = False

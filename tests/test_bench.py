@@ -293,6 +293,8 @@ def test_train_writes_traces_memory_reports_and_a_memory_trace(char_data, tmp_pa
                     "--dist_backend=custom_fsdp", "--profile=True", "--memory_snapshot=True")
     assert res.returncode == 0, res.describe()
     assert "leaves out the thread that posts fsdp_impl's messages" in res.stdout  # (both flags on CPU)
+    assert f"wrote {tmp_path / 'traces' / 'custom_fsdp' / 'rank0.json'}, {tmp_path / 'memory' / 'rank0.json'} " \
+        in res.stdout, res.stdout  # where to look
     for rank in (0, 1):
         with open(tmp_path / "traces" / "custom_fsdp" / f"rank{rank}.json") as f:
             trace = json.load(f)

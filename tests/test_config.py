@@ -43,6 +43,18 @@ def parse_error(defaults, capsys, *argv):
     return err.strip()
 
 
+def test_help_lists_every_setting_with_its_default(defaults, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        parse(defaults, "--max_iters=3", "--help")
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("usage:"), out[0]
+    settings = {k for k, v in defaults.items() if not k.startswith("_") and isinstance(v, (int, float, bool, str))}
+    assert {line.split("=")[0].strip() for line in out[1:]} == {f"--{k}" for k in settings}
+    # the defaults, not the override before --help
+    assert f"  --max_iters={defaults['max_iters']}" in out and f"  --dist_backend='{defaults['dist_backend']}'" in out
+
+
 def write(tmp_path, text):
     cfg = tmp_path / "cfg.py"
     cfg.write_text(text)

@@ -396,6 +396,11 @@ def test_negative_counts(key, tiny_args, tmp_path):
     assert_one_error(res, key, "-1")
 
 
+def test_unknown_wrap_policy_is_refused_under_every_backend(tiny_args, tmp_path):
+    res = run_train(tmp_path / "o", None, *tiny_args, "--max_iters=1", "--dist_backend=ddp", "--wrap_policy=foo")
+    assert_one_error(res, "wrap_policy", "foo")
+
+
 def test_unknown_dtype(tiny_args, tmp_path):
     res = run_train(tmp_path / "o", None, *tiny_args, "--max_iters=1", "--dtype=float8")
     assert_one_error(res, "dtype", "float8")
