@@ -530,13 +530,19 @@ def fully_shard_twice(impl, mesh):
     """fully_shard() again on a block already sharded: what is raised, and whether the model still
     trains a step afterwards (nothing was changed before the error)."""
     model = build(impl, mesh)
+    return raised_then_trains(model, lambda: SHARD[impl](model.blocks[0], mesh=mesh))
+
+
+def raised_then_trains(model, attempt, recover=lambda: None):
+    """What attempt() raised, and whether, after recover(), the model trains a step."""
     try:
-        SHARD[impl](model.blocks[0], mesh=mesh)
+        attempt()
         rec = {"raised": None}
     except Exception as e:
         rec = {"raised": type(e).__name__, "message": str(e)}
+    recover()
     try:
-        plain_step(model, 0)
+        plain_step(model, 1)
         rec["trains_after"] = True
     except Exception:
         rec["trains_after"], rec["traceback"] = False, traceback.format_exc()
@@ -552,19 +558,11 @@ def inplace_on_a_view_output(impl, mesh):
     block = model.blocks[0]
     block.forward = lambda x, forward=block.forward: forward(x).view(-1, D)
     hook = block.register_forward_hook(lambda module, args, out: out.mul_(1.5))
-    try:
-        plain_step(model, 0)
-        rec = {"raised": None}
-    except Exception as e:
-        rec = {"raised": type(e).__name__, "message": str(e)}
-    model.reset_iter_state()
-    hook.remove()
-    try:
-        plain_step(model, 1)
-        rec["trains_after"] = True
-    except Exception:
-        rec["trains_after"], rec["traceback"] = False, traceback.format_exc()
-    return rec
+
+    def recover():
+        model.reset_iter_state()
+        hook.remove()
+    return raised_then_trains(model, lambda: plain_step(model, 0), recover)
 
 
 # ---- comparison -------------------------------------------------------------------------------
