@@ -154,13 +154,15 @@ def read_manifest(path, verify=True):
         raise CheckpointError(f"checkpoint {path} has format version {version}; this code reads {FORMAT_VERSION}")
     for key, kind in MANIFEST_FIELDS.items():
         if not isinstance(manifest.get(key), kind):
-            raise CheckpointError(f"checkpoint {path} has a corrupt manifest.json ('{key}' is missing or of the wrong type)")
+            raise CheckpointError(f"checkpoint {path} has a corrupt manifest.json ('{key}' is missing or of "
+                                  "the wrong type)")
     if not all(isinstance(d, dict) and d.keys() == {"bytes", "crc32"} for d in manifest["files"].values()):
         raise CheckpointError(f"checkpoint {path} has a corrupt manifest.json (a 'files' entry is not "
                               "{'bytes': ..., 'crc32': ...})")
     missing = MODEL_ARGS - manifest["model_args"].keys()
     if missing:
-        raise CheckpointError(f"checkpoint {path} has a corrupt manifest.json ('model_args' lacks {', '.join(sorted(missing))})")
+        raise CheckpointError(f"checkpoint {path} has a corrupt manifest.json ('model_args' lacks "
+                              f"{', '.join(sorted(missing))})")
     if verify:
         found = _file_digests(path)
         for name, want in manifest["files"].items():

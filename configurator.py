@@ -70,7 +70,8 @@ def apply(config, argv):
     """Update the dict `config` (a script's globals) from config files and --key=value args."""
     defaults = {k: v for k, v in config.items() if not k.startswith("_") and isinstance(v, (int, float, bool, str))}
     if "-h" in argv or "--help" in argv:
-        print(f"usage: {os.path.basename(sys.argv[0])} [config files] [--key=value ...]; the settings and their defaults:")
+        print(f"usage: {os.path.basename(sys.argv[0])} [config files] [--key=value ...]; "
+              "the settings and their defaults:")
         for key, value in defaults.items():
             print(f"  --{key}={value!r}" if isinstance(value, str) else f"  --{key}={value}")
         raise SystemExit(0)
