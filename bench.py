@@ -186,7 +186,7 @@ def bench_backends(args, extra):
         s = overlap.summarize(overlap.analyse(trace))
         table[b] |= {"exposed_comm_ms": s.get("exposed_ms"), "comm_ms": s.get("comm_ms"),
                      "hidden_fraction": s.get("hidden_fraction"),
-                     "exposed_by_place": dict(list(overlap.exposed_by_place(trace).items())[:overlap.TOP_PLACES])}
+                     "exposed_by_place": overlap.exposed_by_place(trace, overlap.TOP_PLACES)}
     print(f"\n{args.nproc} processes, {args.repeats} repeats, {args.steps} steps; ratios vs {args.backends[0]}")
     print_table(table)
     paired = paired_step_ratios(results)

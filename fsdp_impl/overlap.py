@@ -108,9 +108,10 @@ def analyse(trace):
 OUTSIDE = "(outside any range)"
 
 
-def exposed_by_place(trace):
-    """{where: exposed ms per step}, largest first: each exposed stretch goes to the innermost
-    event covering it (on CPU, the training thread's ranges; on GPU, the communication kernels)."""
+def exposed_by_place(trace, top=None):
+    """{where: exposed ms per step}, the `top` largest (all if None) first: each exposed stretch goes
+    to the innermost event covering it (on CPU, the training thread's ranges; on GPU, the
+    communication kernels)."""
     steps, places, comm, compute = _timelines(trace)
     totals = {}
     for step in steps:
@@ -123,7 +124,7 @@ def exposed_by_place(trace):
                 cover = [e for e in inside if e["ts"] <= a and e["ts"] + e["dur"] >= b]
                 name = min(cover, key=lambda e: e["dur"])["name"] if cover else OUTSIDE
                 totals[name] = totals.get(name, 0.0) + (b - a) / 1e3 / len(steps)
-    return dict(sorted(totals.items(), key=lambda kv: -kv[1]))
+    return dict(sorted(totals.items(), key=lambda kv: -kv[1])[:top])
 
 
 def summarize(rows):
@@ -161,5 +162,5 @@ if __name__ == "__main__":
             print(f"  {r['step']:>16}: step {r['step_ms']:8.1f} ms, comm {r['comm_ms']:7.1f} ms, "
                   f"compute {r['compute_ms']:7.1f} ms, hidden {frac:>4}, exposed {r['exposed_ms']:7.1f} ms")
         print("  exposed ms per step, by where it went:")
-        for name, ms in list(exposed_by_place(trace).items())[:TOP_PLACES] or [("nothing exposed", 0.0)]:
+        for name, ms in exposed_by_place(trace, TOP_PLACES).items() or [("nothing exposed", 0.0)]:
             print(f"    {ms:7.2f}  {name}")

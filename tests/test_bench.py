@@ -82,6 +82,7 @@ def test_exposed_time_on_gpu_goes_to_the_communication_kernel_averaged_over_step
     places = overlap.exposed_by_place(trace)  # 25 us in step 1, 10 us in step 2
     assert list(places) == ["ncclDevKernel_AllGather", "ncclDevKernel_ReduceScatter"]
     assert places == {"ncclDevKernel_AllGather": pytest.approx(0.0125), "ncclDevKernel_ReduceScatter": pytest.approx(0.005)}
+    assert overlap.exposed_by_place(trace, top=1) == {"ncclDevKernel_AllGather": pytest.approx(0.0125)}
 
 
 def test_summarize_run_fields_and_medians():
