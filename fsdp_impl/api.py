@@ -17,7 +17,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.utils import _apply_to_tensors
 
 from .schedule import Schedule
-from .unit import GATHERING, ShardedUnit
+from .unit import GATHERING, ShardedUnit, reshard_after_forward_flag
 
 
 @dataclass(frozen=True)
@@ -53,9 +53,13 @@ def fully_shard(module, *, mesh=None, reshard_after_forward=None, mp_policy=Mixe
 
     reshard_after_forward: True frees the gathered parameters after forward (ZeRO-3), False keeps
     them until after backward (ZeRO-2); None means True, except for the root, which keeps them.
+    FSDP2's int form is taken where it means a bool (1 or the shard group's size).
+    offload_policy: ours or torch's CPUOffloadPolicy (CUDA only); torch's base OffloadPolicy() is none.
     A 2-D mesh (replicate, shard) gives HSDP.
     """
     mesh = _mesh_for(mesh)
+    if offload_policy is not None and not hasattr(offload_policy, "pin_memory"):
+        offload_policy = None  # torch's base OffloadPolicy(): FSDP2's default, which offloads nothing
     if offload_policy is not None and mesh.device_type != "cuda":
         raise ValueError("offload_policy needs CUDA: on a CPU run parameters already live in CPU memory")
     modules = list(module) if isinstance(module, (list, tuple)) else [module]
@@ -245,7 +249,7 @@ class FSDPModule:
 
     def set_reshard_after_forward(self, reshard_after_forward, *, recurse=True):
         for unit in self._units(recurse):
-            unit.reshard_after_forward = reshard_after_forward
+            unit.reshard_after_forward = reshard_after_forward_flag(reshard_after_forward, unit.world)
 
     def set_requires_all_reduce(self, requires_all_reduce, *, recurse=True):
         for unit in self._units(recurse):

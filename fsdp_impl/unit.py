@@ -49,6 +49,18 @@ def _set_param(module, name, param):
     module._parameters[name] = param  # bypasses nn.Module.__setattr__ checks, on purpose
 
 
+def reshard_after_forward_flag(value, world):
+    """FSDP2's reshard_after_forward over `world` ranks -> True, False or None (decided at lazy init).
+    Of its ints, the two that mean a bool are taken (1: False, `world`: True); resharding to a
+    smaller group after forward is not implemented."""
+    if value is None or isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (1, world):
+        return value != 1
+    raise ValueError(f"reshard_after_forward={value!r} over {world} ranks: use True, False or None "
+                     "(fsdp_impl does not reshard to a smaller group after forward)")
+
+
 def dtensor_around(local, mesh, placements, shape, stride):
     """A DTensor whose local tensor is `local` itself, wherever it lives. (DTensor.from_local moves
     a tensor to the mesh's device type: an offloaded shard in CPU memory would become a GPU copy,
@@ -102,7 +114,7 @@ class ShardedUnit:
         self.placements = (Replicate(), Shard(0)) if mesh.ndim == 2 else (Shard(0),)
         self.world = self.shard_group.size()
         self.rank = mesh.get_local_rank(mesh.ndim - 1)
-        self.reshard_after_forward = reshard_after_forward  # None: decided at lazy init
+        self.reshard_after_forward = reshard_after_forward_flag(reshard_after_forward, self.world)
         self.mp = mp_policy
         self.offload = offload_policy is not None
         self.pin_memory = self.offload and offload_policy.pin_memory

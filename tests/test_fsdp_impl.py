@@ -567,3 +567,58 @@ def test_collectives_fall_back_to_their_older_names(monkeypatch):
     monkeypatch.delattr(dist, "reduce_scatter_single")
     assert comm.library_collective("all_gather_single") is dist.all_gather_into_tensor
     assert comm.library_collective("reduce_scatter_single") is dist.reduce_scatter_tensor
+
+
+@pytest.mark.parametrize("value, expected", [(True, True), (False, False), (None, None), (4, True), (1, False)])
+def test_reshard_after_forward_takes_fsdp2s_values(value, expected):
+    """FSDP2 reads an int as the group to reshard to after forward: the whole shard group is True,
+    one rank is False. Those two are taken; the rest (a smaller group) is refused, not run as True."""
+    from fsdp_impl.unit import reshard_after_forward_flag
+    assert reshard_after_forward_flag(value, 4) is expected
+
+
+@pytest.mark.parametrize("value", [2, 0, 8, "yes", 1.0])
+def test_reshard_after_forward_refuses_what_it_cannot_do(value):
+    from fsdp_impl.unit import reshard_after_forward_flag
+    with pytest.raises(ValueError, match="reshard_after_forward"):
+        reshard_after_forward_flag(value, 4)
+
+
+FSDP2_POLICY_OBJECTS = """
+import torch, torch.distributed as dist, torch.nn as nn
+from torch.distributed.fsdp import OffloadPolicy, fully_shard as fsdp2_fully_shard
+from fsdp_impl import fully_shard
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+losses = []
+for shard in (fsdp2_fully_shard, fully_shard):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 1))
+    shard(model, offload_policy=OffloadPolicy())  # FSDP2's default: nothing offloaded
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    for step in range(3):
+        loss = model(torch.ones(4, 8) * step).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+print("offload", model._fsdp_unit.offload)
+print("same", losses[:3] == losses[3:])
+for shard in (fsdp2_fully_shard, fully_shard):
+    try:
+        shard(nn.Linear(2, 2), reshard_after_forward=3)
+        print("accepted")
+    except ValueError as e:
+        print("refused", str(e).splitlines()[0])
+"""
+
+
+def test_torchs_policy_objects_mean_what_they_mean_to_fsdp2():
+    """Code written for FSDP2 passes torch's base OffloadPolicy() (its default, no offload) and may
+    pass an int reshard_after_forward: the first trains as FSDP2 does, on CPU; an int that names no
+    group of the mesh is refused by both."""
+    res = launch([sys.executable, "-c", FSDP2_POLICY_OBJECTS], timeout=120)
+    assert res.returncode == 0, res.describe()
+    lines = res.stdout.strip().splitlines()[-4:]
+    assert lines[:2] == ["offload False", "same True"], res.stdout
+    assert lines[2].startswith("refused"), lines  # FSDP2, the reference behaviour
+    assert lines[3].startswith("refused reshard_after_forward=3 over 1 ranks"), lines
