@@ -587,9 +587,33 @@ def test_metrics_rows_complete(runs_a, runs_b):
                 assert {"iter", "train_loss", "val_loss"} <= set(row)
 
 
+def wandb_history(run_file):
+    """The rows wandb.log() wrote to an offline run file: its records framed as a LevelDB log (32 KB
+    blocks, a 7-byte header per chunk) after a 7-byte file header, each a wandb Record protobuf."""
+    import struct
+    from wandb.proto import wandb_internal_pb2
+    data, block, pos, chunks, rows = run_file.read_bytes(), 32768, 7, b"", []
+    assert data[:4] == b":W&B", data[:16]
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:  # a block's tail too short for a header is padding
+            pos += block - pos % block
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])  # (checksum, length, full/first/middle/last)
+        chunks += data[pos + 7:pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):  # a whole record, or its last chunk
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(chunks)
+            chunks = b""
+            if record.WhichOneof("record_type") == "history":
+                rows.append({i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in record.history.item})
+    return rows
+
+
 def test_wandb_offline_run_records_the_curves(tiny_args, tmp_path):
-    """train.py leaves with os._exit, past wandb's own teardown: it must finish the run itself, or
-    the offline run file holds a header and nothing else."""
+    """wandb gets the numbers metrics.jsonl has: every step's loss, grad norm and lr, and the
+    evaluation. train.py leaves with os._exit, past wandb's own teardown: it must finish the run
+    itself, or the offline run file holds a header and nothing else."""
     cmd = ["env", "WANDB_MODE=offline", f"WANDB_DIR={tmp_path}", *launcher(2), REPO / "train.py",
            f"--out_dir={tmp_path / 'out'}", "--device=cpu", *tiny_args, "--dist_backend=custom_fsdp",
            "--max_iters=3", "--eval_interval=3", "--keep_checkpoints=0", "--wandb_log=True"]
@@ -597,8 +621,14 @@ def test_wandb_offline_run_records_the_curves(tiny_args, tmp_path):
     assert res.returncode == 0, res.describe()
     runs = list(tmp_path.glob("wandb/offline-run-*/run-*.wandb"))
     assert len(runs) == 1, runs  # rank 0 logs
-    recorded = runs[0].read_bytes()
-    assert b"train/loss_step" in recorded and b"val/loss" in recorded and b"grad_norm" in recorded
+    history = wandb_history(runs[0])
+    train, evals = load_metrics(tmp_path / "out")
+    steps = [row for row in history if "train/loss_step" in row]
+    assert [(r["iter"], r["train/loss_step"], r["grad_norm"], r["lr"]) for r in steps] == \
+        [(r["iter"], r["loss"], r["grad_norm"], r["lr"]) for r in train]
+    assert len({r["lr"] for r in steps}) == len(steps) == 3, steps  # (in warmup: lr moves every step)
+    assert [(r["iter"], r["train/loss"], r["val/loss"]) for r in history if "val/loss" in r] == \
+        [(r["iter"], r["train_loss"], r["val_loss"]) for r in evals]
 
 
 def reference_step0_loss(data_dir, ga, seed=1337, batch_size=4, block_size=32):
