@@ -248,6 +248,8 @@ class FSDPModule:
             unit.reshard_after_backward = reshard_after_backward
 
     def set_reshard_after_forward(self, reshard_after_forward, *, recurse=True):
+        if reshard_after_forward is None:  # (None is fully_shard's "decide at the first forward")
+            raise ValueError("set_reshard_after_forward(None): pass True or False")
         for unit in self._units(recurse):
             unit.reshard_after_forward = reshard_after_forward_flag(reshard_after_forward, unit.world)
 

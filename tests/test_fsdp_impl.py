@@ -609,19 +609,27 @@ for shard in (fsdp2_fully_shard, fully_shard):
         print("accepted")
     except ValueError as e:
         print("refused", str(e).splitlines()[0])
+for shard in (fsdp2_fully_shard, fully_shard):
+    try:
+        shard(nn.Linear(2, 2)).set_reshard_after_forward(None)
+        print("accepted")
+    except ValueError as e:
+        print("refused", str(e).splitlines()[0])
 """
 
 
 def test_torchs_policy_objects_mean_what_they_mean_to_fsdp2():
     """Code written for FSDP2 passes torch's base OffloadPolicy() (its default, no offload) and may
     pass an int reshard_after_forward: the first trains as FSDP2 does, on CPU; an int that names no
-    group of the mesh is refused by both."""
+    group of the mesh is refused by both, and so is None given to set_reshard_after_forward."""
     res = launch([sys.executable, "-c", FSDP2_POLICY_OBJECTS], timeout=120)
     assert res.returncode == 0, res.describe()
-    lines = res.stdout.strip().splitlines()[-4:]
+    lines = res.stdout.strip().splitlines()[-6:]
     assert lines[:2] == ["offload False", "same True"], res.stdout
     assert lines[2].startswith("refused"), lines  # FSDP2, the reference behaviour
     assert lines[3].startswith("refused reshard_after_forward=3 over 1 ranks"), lines
+    assert lines[4].startswith("refused"), lines  # FSDP2 again: set_reshard_after_forward(None)
+    assert lines[5].startswith("refused set_reshard_after_forward(None)"), lines
 
 
 def readme_loop():
