@@ -636,7 +636,8 @@ def readme_loop():
     """The python block of README.md's section on fsdp_impl in a training loop of one's own."""
     text = (REPO / "README.md").read_text()
     section = text[text.index("## fsdp_impl in your own training loop"):]
-    return section[section.index("```python\n") + len("```python\n"):section.index("```\n", section.index("```python"))]
+    start = section.index("```python\n") + len("```python\n")
+    return section[start:section.index("```\n", start)]
 
 
 def test_readme_loop_trains_as_under_fsdp2(tmp_path):
