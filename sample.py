@@ -24,18 +24,19 @@ def load_newest(out_dir):
     """(model, training config) from the newer of out_dir/ckpt.pt and the latest checkpoint
     directory: an export goes stale once training continues, so neither simply wins."""
     ckpt_pt = os.path.join(out_dir, "ckpt.pt")
+    has_latest = os.path.exists(os.path.join(out_dir, "latest"))
     exported = None
     if os.path.exists(ckpt_pt):
         try:  # mmap: the weights are read only if this one is used
             exported = torch.load(ckpt_pt, map_location="cpu", mmap=True)
         except (RuntimeError, pickle.UnpicklingError) as e:
             unreadable = f"cannot read {ckpt_pt}: {str(e).splitlines()[0]}"
-            if not os.path.exists(os.path.join(out_dir, "latest")):
+            if not has_latest:
                 raise checkpoint.CheckpointError(unreadable)
             # an export is a copy of a checkpoint directory's weights: that directory's newest is here
             print(f"{unreadable}; reading the latest checkpoint directory instead", file=sys.stderr)
     latest = None
-    if exported is None or os.path.exists(os.path.join(out_dir, "latest")):
+    if exported is None or has_latest:
         # (with no ckpt.pt either, this raises the error that names the missing 'latest')
         latest = checkpoint.read_manifest(checkpoint.latest_path(out_dir), verify=False)
     # a tie: ckpt.pt is the export of that same checkpoint, in one file
