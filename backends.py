@@ -7,7 +7,7 @@ The one place where the distributed backends differ. train.py talks to a Backend
     with backend.autocast(): loss = model(x, y)       # mixed precision where the backend needs autocast
     backend.set_grad_sync(model, is_last_micro_step)  # no_sync-style accumulation
     backend.backward(loss)
-    norm = backend.clip_grad_norm(model, optimizer, max_norm)  # total norm before clipping (0-dim tensor)
+    norm = backend.clip_grad_norm(optimizer, max_norm)  # total norm before clipping (0-dim tensor)
     backend.step(optimizer)
 
 `fsdp` is PyTorch's FSDP2 (torch.distributed.fsdp.fully_shard); `custom_fsdp` is ours
@@ -150,18 +150,20 @@ class Backend:
         loss.backward()
 
     @torch.no_grad()
-    def clip_grad_norm(self, model, optimizer, max_norm):
-        """Total gradient norm before clipping, a 0-dim tensor on the device (reading it waits
-        for the device: train.py reads it once, with the loss); clips in place when max_norm > 0."""
-        grads = self.local_grads(model)
+    def clip_grad_norm(self, optimizer, max_norm):
+        """Total norm of the gradients of the parameters `optimizer` steps, before clipping: a 0-dim
+        tensor on the device (reading it waits for the device: train.py reads it once, with the
+        loss); clips in place when max_norm > 0."""
+        grads = self.local_grads(optimizer)
         norm = self.total_norm(grads)
         if max_norm > 0 and grads:  # clip_grads_with_norm_'s scaling (it takes parameters, not gradients)
             torch._foreach_mul_(grads, torch.clamp(max_norm / (norm + 1e-6), max=1.0).to(grads[0].device))
         return norm
 
-    def local_grads(self, model):
-        """The gradients this rank holds, in the model's parameter order."""
-        return [p.grad for p in model.parameters() if p.grad is not None]
+    def local_grads(self, optimizer):
+        """The gradients this rank holds, in the optimizer's order. (model.parameters() walks every
+        module at every step: 122 us for a 12-block GPT against 9 us here, IMPLEMENTATION.md.)"""
+        return [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
 
     def total_norm(self, grads):
         return torch.nn.utils.get_total_norm(grads)
@@ -226,9 +228,9 @@ class DDPBackend(Backend):
     def backward(self, loss):
         self.scaler.scale(loss).backward()  # the scaler is a no-op unless dtype is float16
 
-    def clip_grad_norm(self, model, optimizer, max_norm):
+    def clip_grad_norm(self, optimizer, max_norm):
         self.scaler.unscale_(optimizer)
-        return super().clip_grad_norm(model, optimizer, max_norm)
+        return super().clip_grad_norm(optimizer, max_norm)
 
     def step(self, optimizer):
         self.scaler.step(optimizer)
@@ -349,11 +351,11 @@ class FSDPBackend(Backend):
                 mesh = p.device_mesh
                 state["step"] = DTensor.from_local(counter, mesh, [Replicate()] * mesh.ndim, run_check=False)
 
-    def local_grads(self, model):
+    def local_grads(self, optimizer):
         """The local shards of the gradients: through DTensor each foreach op of the norm and the
         clipping would be a Python dispatch per gradient (about 1 ms of host time per step for a
         75-parameter GPT)."""
-        return [p.grad._local_tensor for p in model.parameters() if p.grad is not None]
+        return [g._local_tensor for g in super().local_grads(optimizer)]
 
     def total_norm(self, grads):
         """Each rank's squared norm summed over the shard group (x^2, sum, x^(1/2), as DTensor

@@ -409,7 +409,7 @@ while True:
     if world_size > 1:
         dist.all_reduce(loss_sum)  # exact mean over the global batch, not rank 0's share
     with obs.host_time("clip"):
-        grad_norm = back.clip_grad_norm(model, optimizer, grad_clip)
+        grad_norm = back.clip_grad_norm(optimizer, grad_clip)
     # 'stop' exits on a bad step without saving anything, so it can queue the optimizer step
     # before looking: the host dispatches it while the device is still in backward. 'skip'
     # must look first.

@@ -340,6 +340,52 @@ def test_sharded_optimizer_step_counters_are_replicated_dtensors(backend):
     assert int(specs) == 0  # plain counters would cost one spec per parameter and step
 
 
+
+CLIP_AGAINST_TORCH = """
+import os
+import sys
+import torch
+import torch.distributed as dist
+from backends import init_distributed, make_backend
+from model import GPT, GPTConfig
+init_distributed(sys.argv[1], "gloo", "cpu", 60)
+cfg = dict(device="cpu", dtype="float32", cpu_offload=False, replicate_degree=1, wrap_policy="block",
+           min_wrap_params=1, reshard_after_forward=True, prefetch=True, compile=False)
+back = make_backend(sys.argv[1], cfg)
+with torch.device("meta"):
+    gpt = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=64, dropout=0.0, bias=False))
+model = back.wrap(gpt, lambda m: m.init_weights(0))
+opt = back.unwrap(model).configure_optimizers(0.1, 1e-3, (0.9, 0.95))
+x = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(dist.get_rank()))
+back.backward(model(x, x)[1])
+whole = lambda g: g.full_tensor() if hasattr(g, "full_tensor") else g
+# the reference: torch's clip_grad_norm_ over every gradient, whole, in the model's order
+reference = [torch.nn.Parameter(torch.empty_like(whole(p.grad))) for p in model.parameters()]
+for r, p in zip(reference, model.parameters()):
+    r.grad = whole(p.grad).clone()
+want = torch.nn.utils.clip_grad_norm_(reference, 0.5)
+got = back.clip_grad_norm(opt, 0.5)
+grad_err = max(((whole(p.grad) - r.grad).abs().max() / r.grad.abs().max()).item()
+               for p, r in zip(model.parameters(), reference))
+if dist.get_rank() == 0:
+    print(len(reference), want.item(), got.item() / want.item() - 1, grad_err, flush=True)
+dist.destroy_process_group()
+os._exit(0)  # FSDP2 on gloo can abort in interpreter teardown after a clean run
+"""
+
+
+@pytest.mark.parametrize("backend", ["ddp", "fsdp", "custom_fsdp"])
+def test_clip_grad_norm_is_torchs_over_every_gradient(backend):
+    """Each backend's clipping (over what the optimizer steps; the sharded backends on the local
+    shards, their squared norms summed across ranks) gives the norm and the clipped gradients of
+    torch.nn.utils.clip_grad_norm_ over every gradient whole, within float32 rounding (the order
+    of the sum differs)."""
+    res = launch(launcher(2) + ["-c", CLIP_AGAINST_TORCH, backend], timeout=120)
+    assert res.returncode == 0, res.describe()
+    n_params, norm, norm_err, grad_err = res.stdout.strip().splitlines()[-1].split()
+    assert int(n_params) == 2 * 6 + 3 and float(norm) > 0.5  # every parameter; and the clipping scales
+    assert abs(float(norm_err)) < 1e-6 and float(grad_err) < 1e-6, (norm_err, grad_err)
+
 # ---------------------------------------------------------------------------------------------
 # 7. bad input: one 'error:' line, non-zero exit, nothing touched
 
