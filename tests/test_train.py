@@ -296,11 +296,13 @@ def test_compile_graphs_follow_the_units(wrap_policy, expected):
     assert res.stdout.strip().splitlines()[-1] == expected
 
 
-STEP_AND_COUNT_SPECS = """
+# the start of a script run with a backend's name: that backend's 2-block GPT and AdamW, built as
+# train.py builds them (`back`, `model`, `opt`)
+BACKEND_GPT = """
+import os
 import sys
 import torch
-from torch.distributed.tensor import DTensor, Replicate
-from torch.distributed.tensor._dtensor_spec import DTensorSpec
+import torch.distributed as dist
 from backends import init_distributed, make_backend
 from model import GPT, GPTConfig
 init_distributed(sys.argv[1], "gloo", "cpu", 60)
@@ -311,6 +313,11 @@ with torch.device("meta"):
     gpt = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=64, dropout=0.0, bias=False))
 model = back.wrap(gpt, lambda m: m.init_weights(0))
 opt = back.unwrap(model).configure_optimizers(0.1, 1e-3, (0.9, 0.95))
+"""
+
+STEP_AND_COUNT_SPECS = BACKEND_GPT + """
+from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor._dtensor_spec import DTensorSpec
 x = torch.randint(0, 64, (2, 16))
 specs, init = [0], DTensorSpec.__init__
 def counting_init(self, *args, **kwargs):
@@ -340,22 +347,7 @@ def test_sharded_optimizer_step_counters_are_replicated_dtensors(backend):
     assert int(specs) == 0  # plain counters would cost one spec per parameter and step
 
 
-
-CLIP_AGAINST_TORCH = """
-import os
-import sys
-import torch
-import torch.distributed as dist
-from backends import init_distributed, make_backend
-from model import GPT, GPTConfig
-init_distributed(sys.argv[1], "gloo", "cpu", 60)
-cfg = dict(device="cpu", dtype="float32", cpu_offload=False, replicate_degree=1, wrap_policy="block",
-           min_wrap_params=1, reshard_after_forward=True, prefetch=True, compile=False)
-back = make_backend(sys.argv[1], cfg)
-with torch.device("meta"):
-    gpt = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=64, dropout=0.0, bias=False))
-model = back.wrap(gpt, lambda m: m.init_weights(0))
-opt = back.unwrap(model).configure_optimizers(0.1, 1e-3, (0.9, 0.95))
+CLIP_AGAINST_TORCH = BACKEND_GPT + """
 x = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(dist.get_rank()))
 back.backward(model(x, x)[1])
 whole = lambda g: g.full_tensor() if hasattr(g, "full_tensor") else g
