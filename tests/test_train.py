@@ -378,6 +378,7 @@ def test_clip_grad_norm_is_torchs_over_every_gradient(backend):
     assert int(n_params) == 2 * 6 + 3 and float(norm) > 0.5  # every parameter; and the clipping scales
     assert abs(float(norm_err)) < 1e-6 and float(grad_err) < 1e-6, (norm_err, grad_err)
 
+
 # ---------------------------------------------------------------------------------------------
 # 7. bad input: one 'error:' line, non-zero exit, nothing touched
 
