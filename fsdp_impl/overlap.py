@@ -3,8 +3,10 @@ How much communication a profiler trace hid under compute, step by step, for any
 
     python -m fsdp_impl.overlap out/traces/custom_fsdp/rank0.json [more traces ...]
 
-Communication: collective events (gloo's worker-thread ranges on CPU, NCCL kernels on GPU).
-Compute: GPU kernels that are not NCCL's; on CPU, the time the training thread (the one that
+Communication: on CPU, collective events (gloo's worker-thread ranges); on GPU, NCCL kernels and
+every kernel off the compute stream (the stream with the most kernel time): the casts and copies
+that feed an all-gather, or stand in for it at world size 1, which FSDP2 and custom_fsdp run on
+streams of their own. Compute: the other GPU kernels; on CPU, the time the training thread (the one that
 runs ProfilerStep#N) spends in operators, minus the ranges where it blocks on a collective: any
 range named like a wait, a c10d call, or FSDP2's all-gather / reduce ranges (an autograd node
 that encloses a blocking hook would otherwise count as compute).
@@ -70,6 +72,10 @@ def _clip(intervals, lo, hi):
     return [(max(s, lo), min(e, hi)) for s, e in intervals if e > lo and s < hi]
 
 
+def _stream(kernel):
+    return kernel.get("args", {}).get("stream", kernel["tid"])
+
+
 def _is_comm(e):
     return any(mark in e["name"] for mark in COMM_MARKS)
 
@@ -78,11 +84,19 @@ def _timelines(trace):
     """(steps, the events exposed communication is attributed to, communication, compute); the
     last two as merged intervals."""
     events = [e for e in trace["traceEvents"] if e.get("ph") == "X" and "dur" in e]
-    steps = sorted((e for e in events if e["name"].startswith("ProfilerStep#")), key=lambda e: e["ts"])
-    comm = [e for e in events if _is_comm(e)]
-    if any(e.get("cat") == "kernel" for e in events):  # GPU
-        compute = _union(_span(e) for e in events if e.get("cat") == "kernel" and not _is_comm(e))
+    # (on GPU the profiler repeats each range on the GPU's timeline, as a gpu_user_annotation)
+    steps = sorted((e for e in events if e["name"].startswith("ProfilerStep#") and e.get("cat") != "gpu_user_annotation"),
+                   key=lambda e: e["ts"])
+    kernels = [e for e in events if e.get("cat") == "kernel"]
+    if kernels:  # GPU
+        busy = {}
+        for e in kernels:
+            busy[_stream(e)] = busy.get(_stream(e), 0) + e["dur"]
+        compute_stream = max(busy, key=busy.get)
+        comm = [e for e in kernels if _is_comm(e) or _stream(e) != compute_stream]
+        compute = _union(_span(e) for e in kernels if not _is_comm(e) and _stream(e) == compute_stream)
         return steps, comm, _union(map(_span, comm)), compute
+    comm = [e for e in events if _is_comm(e)]
     on_main = [e for e in events if steps and e["tid"] == steps[0]["tid"]]  # the training thread
     busy = _union(_span(e) for e in on_main if e.get("cat") == "cpu_op")
     blocked = _union(_span(e) for e in on_main if any(b in e["name"] for b in BLOCKING))

@@ -50,6 +50,9 @@ def test_overlap_blocking_inside_an_enclosing_op_is_not_compute():
 def test_overlap_gpu_trace_counts_kernels_per_step():
     trace = {"traceEvents": [
         op("ProfilerStep#1", 0, 100, cat="user_annotation"), op("ProfilerStep#2", 100, 100, cat="user_annotation"),
+        # the profiler's copies of the step ranges on the GPU's timeline are not steps of their own
+        op("ProfilerStep#1", 5, 90, tid=7, cat="gpu_user_annotation"),
+        op("ProfilerStep#2", 105, 90, tid=7, cat="gpu_user_annotation"),
         op("sm90_gemm", 0, 50, tid=7, cat="kernel"), op("ncclDevKernel_AllGather", 25, 50, tid=8, cat="kernel"),
         op("sm90_gemm", 100, 100, tid=7, cat="kernel"), op("ncclDevKernel_ReduceScatter", 150, 40, tid=8, cat="kernel"),
     ]}
@@ -57,6 +60,20 @@ def test_overlap_gpu_trace_counts_kernels_per_step():
     assert first["hidden_fraction"] == pytest.approx(0.5)
     assert second["hidden_fraction"] == pytest.approx(1.0) and second["exposed_ms"] == 0
     assert overlap.summarize([first, second])["hidden_fraction"] == pytest.approx((0.025 + 0.040) / 0.090)
+
+
+def test_overlap_gpu_trace_counts_kernels_off_the_compute_stream_as_communication():
+    # world size 1: the copy standing in for the all-gather runs on a stream of its own (9), 20 of
+    # its 30 us beside compute-stream gemms (7); a kernel on stream 7 that is no gemm is compute
+    trace = {"traceEvents": [
+        op("ProfilerStep#1", 0, 100, cat="user_annotation"),
+        op("sm90_gemm", 0, 50, tid=7, cat="kernel"), op("unrolled_elementwise_kernel", 30, 30, tid=9, cat="kernel"),
+        op("vectorized_elementwise_kernel", 60, 10, tid=7, cat="kernel"), op("sm90_gemm", 70, 30, tid=7, cat="kernel"),
+    ]}
+    (row,) = overlap.analyse(trace)
+    assert row["comm_ms"] == pytest.approx(0.030) and row["compute_ms"] == pytest.approx(0.090)
+    assert row["hidden_ms"] == pytest.approx(0.020) and row["exposed_ms"] == pytest.approx(0.010)
+    assert overlap.exposed_by_place(trace) == {"unrolled_elementwise_kernel": pytest.approx(0.010)}
 
 
 def test_exposed_time_goes_to_the_innermost_range_the_training_thread_was_in():
