@@ -13,8 +13,6 @@ Schedule: the root's view of a training step, shared by all units under one root
   step) and waits for every pending reduction, so the sharded .grads are complete when
   backward() returns.
 - The buffer pool: unit-sized buffers reused across units and steps (CPU only).
-- On CUDA, one stream for the all-gathers (and the copies and casts that feed them, or stand in
-  for them at W=1), so a prefetched gather runs beside the compute stream, as FSDP2's do.
 - Gathered parameters never outlive an optimizer step, which changes the shards they copy: a
   prefetch nobody used, or a unit left unsharded, is dropped before any step (a global hook).
 """
@@ -101,8 +99,6 @@ class Schedule:
         global _step_hook
         self.units, self.root = units, root
         self.buffers = BufferPool(root.compute_device)
-        # CUDA: the units' all-gathers run on a stream of their own (ShardedUnit.unshard)
-        self.gather_stream = torch.cuda.Stream(root.compute_device) if root.compute_device.type == "cuda" else None
         self.pre_forward_order, self.post_forward_order = [], []
         self.recording = True
         self.next_forward, self.next_backward = {}, {}

@@ -33,7 +33,6 @@ of the unit; measured, the copies cost more at 47M parameters and the two were e
 State machine: SHARDED -> GATHERING (all-gather in flight) -> UNSHARDED -> SHARDED.
 """
 import math
-from contextlib import nullcontext
 
 import torch
 import torch.nn as nn
@@ -133,7 +132,7 @@ class ShardedUnit:
         self.training_state = "idle"  # idle | forward | pre_backward
         self.needs_post_backward = False  # a forward with grad ran: its backward will bring grads
         self.holds_unreduced_grads = False  # accumulated with gradient sync off, not yet reduce-scattered
-        self._gather = None  # (work, output, input, CUDA event after it is queued) while GATHERING
+        self._gather = None  # (work, output, input) while GATHERING
         self._full_memory = None  # from buffers.fill(flat_full), for buffers.drain()
         self._reduction = None  # (work, input, output, params) while a reduce-scatter is in flight
         self._partial_reduction = None  # HSDP with all-reduce off: reduce-scattered, not yet averaged
@@ -272,15 +271,7 @@ class ShardedUnit:
         if not self.params:  # no parameters of its own (all in nested units): nothing to gather, as in FSDP2
             self.state = UNSHARDED
             return
-        stream = self.schedule.gather_stream
-        if stream is not None:
-            # CUDA: gather on a stream of its own, so a prefetch overlaps the unit computing now.
-            # It starts after all the compute stream has queued: the optimizer's last update of
-            # the shards, and the last use of the memory that units resharded so far give back
-            # to this stream's part of the caching allocator, which it will reuse
-            stream.wait_stream(torch.cuda.current_stream())
-        with profiled(f"fsdp::all_gather {self.name}"), torch.no_grad(), \
-                (torch.cuda.stream(stream) if stream is not None else nullcontext()):
+        with profiled(f"fsdp::all_gather {self.name}"), torch.no_grad():
             ledger.log("all_gather", self.name)
             shard = self.flat_shard
             if self.world > 1 and (shard.dtype != self.param_dtype or shard.device != self.compute_device):
@@ -302,8 +293,7 @@ class ShardedUnit:
             # these same tensors in forward and must not see that as an in-place change (the
             # copy-out below is guarded the same way)
             with torch.autograd._unsafe_preserve_version_counter(self.flat_full):
-                work = comm.all_gather(slots, pieces, self.shard_group)
-            self._gather = (work, output, shard, stream.record_event() if stream is not None else None)
+                self._gather = (comm.all_gather(slots, pieces, self.shard_group), output, shard)
         self.state = GATHERING
 
     def wait_unshard(self):
@@ -313,12 +303,10 @@ class ShardedUnit:
             self._finish_gather()
 
     def _finish_gather(self):
-        work, output, _, gathered = self._gather
+        work, output, _ = self._gather
         self._gather = None
         with profiled(f"fsdp::all_gather_wait {self.name}"), torch.no_grad():
             work.wait()
-            if gathered is not None:  # (the copy standing in for the all-gather at W=1, or the cast before it)
-                torch.cuda.current_stream().wait_event(gathered)
             ledger.log("all_gather_wait", self.name)
             if output is not self.flat_full:  # copy out of the rank-major all-gather buffer
                 self._full_memory = self.schedule.buffers.fill(self.flat_full)
