@@ -4,12 +4,11 @@ How much communication a profiler trace hid under compute, step by step, for any
     python -m fsdp_impl.overlap out/traces/custom_fsdp/rank0.json [more traces ...]
 
 Communication: on CPU, collective events (gloo's worker-thread ranges); on GPU, NCCL kernels and
-every kernel off the compute stream (the stream with the most kernel time): the casts and copies
-that feed an all-gather, or stand in for it at world size 1, which FSDP2 and custom_fsdp run on
-streams of their own. Compute: the other GPU kernels; on CPU, the time the training thread (the one that
-runs ProfilerStep#N) spends in operators, minus the ranges where it blocks on a collective: any
-range named like a wait, a c10d call, or FSDP2's all-gather / reduce ranges (an autograd node
-that encloses a blocking hook would otherwise count as compute).
+every kernel off the compute stream (the stream with the most kernel time), such as the casts
+FSDP2 runs on its copy-in stream. Compute: the compute stream's other kernels; on CPU, the time
+the training thread (the one that runs ProfilerStep#N) spends in operators, minus the ranges
+where it blocks on a collective: any range named like a wait, a c10d call, or FSDP2's all-gather
+/ reduce ranges (an autograd node that encloses a blocking hook would otherwise count as compute).
 Per step: the union of each, their intersection (hidden), and what stayed exposed. Then where the
 exposed time went: on CPU the innermost range the training thread was in (mostly the wait that
 blocked it: which unit's all-gather or reduce-scatter to look at), on GPU the communication kernel.
@@ -85,8 +84,8 @@ def _timelines(trace):
     last two as merged intervals."""
     events = [e for e in trace["traceEvents"] if e.get("ph") == "X" and "dur" in e]
     # (on GPU the profiler repeats each range on the GPU's timeline, as a gpu_user_annotation)
-    steps = sorted((e for e in events if e["name"].startswith("ProfilerStep#") and e.get("cat") != "gpu_user_annotation"),
-                   key=lambda e: e["ts"])
+    steps = sorted((e for e in events if e["name"].startswith("ProfilerStep#")
+                    and e.get("cat") != "gpu_user_annotation"), key=lambda e: e["ts"])
     kernels = [e for e in events if e.get("cat") == "kernel"]
     if kernels:  # GPU
         busy = {}
