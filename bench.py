@@ -69,6 +69,9 @@ def run_train(row, nproc, out_dir, steps, extra, profile=False):
     proc = subprocess.run(launcher + [os.path.join(HERE, "train.py")] + args, env=env, cwd=HERE,
                           capture_output=True, text=True)
     if proc.returncode:
+        refusal = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+        if refusal:  # train.py refused its settings (an unknown key, say): its one line says why
+            raise SystemExit(f"error: {row} at {nproc} processes: {refusal[0][len('error: '):]}")
         raise SystemExit(f"error: {row} at {nproc} processes failed:\n{proc.stderr[-3000:]}")
     with open(os.path.join(out_dir, "metrics.jsonl")) as f:
         return [json.loads(line) for line in f]
@@ -267,7 +270,9 @@ def bench_comm(args):
 def main():
     if "--comm-worker" in sys.argv:
         return comm_worker([int(mb) for mb in sys.argv[sys.argv.index("--comm-worker") + 1].split(",")])
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[1], formatter_class=argparse.RawDescriptionHelpFormatter)
+    # (no abbreviations: a key it does not know goes to train.py whole, as typed)
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[1], formatter_class=argparse.RawDescriptionHelpFormatter,
+                                allow_abbrev=False)
     p.add_argument("--backends", default="ddp,fsdp,custom_fsdp")
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--repeats", type=int, default=3)

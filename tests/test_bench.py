@@ -305,6 +305,17 @@ def test_bench_rejects_a_bad_backends_list_before_running(backends, problem, tmp
     assert not any(tmp_path.iterdir())  # nothing ran
 
 
+def test_bench_passes_on_train_py_refusal_as_its_one_line(char_data, tmp_path):
+    """A setting train.py refuses (here a misspelt key) stops bench.py with train.py's reason in one
+    line, not torchrun's traceback. (bench.py takes no abbreviations of its own options: `--step`
+    is not its `--steps`.)"""
+    res = launch([sys.executable, REPO / "bench.py", "--backends=ddp,custom_fsdp", "--nproc=2", "--repeats=1",
+                  "--steps=3", f"--work_dir={tmp_path}", f"--data_dir={char_data}", "--device=cpu", "--step=3"],
+                 timeout=120)
+    assert res.returncode != 0
+    assert res.stderr.splitlines() == ["error: ddp at 2 processes: unknown config key 'step'"], res.describe()
+
+
 def test_train_writes_traces_memory_reports_and_a_memory_trace(char_data, tmp_path):
     res = run_train(tmp_path, 2, f"--data_dir={char_data}", "--n_layer=2", "--n_head=2", "--n_embd=32",
                     "--block_size=32", "--batch_size=2", "--max_iters=6", "--eval_iters=1",
