@@ -300,6 +300,9 @@ def main():
         args.comm_mb = "1,4,16,64,256"
     if not re.fullmatch(r"[1-9]\d*(,[1-9]\d*)*", args.comm_mb):
         p.error(f"--comm_mb={args.comm_mb}: sizes in whole MB, comma-separated (1,4,16)")
+    for name in ("nproc", "repeats"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name}={getattr(args, name)}: at least 1")
     if args.steps < WARMUP_STEPS + 1 and not args.comm:
         p.error(f"--steps={args.steps}: at least {WARMUP_STEPS + 1} (the first {WARMUP_STEPS}, warm-up, are not timed)")
     result = bench_comm(args) if args.comm else sweep(args, extra) if args.sweep else bench_backends(args, extra)

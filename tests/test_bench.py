@@ -297,9 +297,12 @@ def test_bench_rows_carry_their_own_settings(char_data, tmp_path):
     assert rows[zero2]["reduce_scatter_mb"] == rows["custom_fsdp"]["reduce_scatter_mb"]
 
 
-@pytest.mark.parametrize("backends,problem", [("custom_fsdp:prefetch", "not key=value"), ("fsdp,fsdp", "twice")])
-def test_bench_rejects_a_bad_backends_list_before_running(backends, problem, tmp_path):
-    res = subprocess.run([sys.executable, REPO / "bench.py", f"--backends={backends}", f"--work_dir={tmp_path}"],
+@pytest.mark.parametrize("args,problem", [(["--backends=custom_fsdp:prefetch"], "not key=value"),
+                                          (["--backends=fsdp,fsdp"], "twice"),
+                                          (["--nproc=0"], "--nproc=0: at least 1"),
+                                          (["--repeats=0"], "--repeats=0: at least 1")])
+def test_bench_rejects_bad_arguments_before_running(args, problem, tmp_path):
+    res = subprocess.run([sys.executable, REPO / "bench.py", *args, f"--work_dir={tmp_path}"],
                          capture_output=True, text=True, timeout=60)
     assert res.returncode == 2 and problem in res.stderr.splitlines()[-1]
     assert not any(tmp_path.iterdir())  # nothing ran
