@@ -13,11 +13,14 @@ typo must never silently train the wrong model.
 """
 import json
 import os
+import re
 import sys
 import time
 import traceback
 import types
 from ast import literal_eval
+
+import torch
 
 
 def report_error(msg):
@@ -34,6 +37,14 @@ def report_error(msg):
 def fail(msg):
     report_error(msg)
     raise SystemExit(2)
+
+
+def check_device(device):
+    """Fail in one line unless this torch can run on `device`: cpu, or cuda / cuda:N with CUDA present."""
+    if not re.fullmatch(r"cpu|cuda(:\d+)?", device):
+        fail(f"unknown device '{device}' (choose cpu, cuda or cuda:N)")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        fail(f"device={device} but this torch has no CUDA device (use --device=cpu)")
 
 
 def typed(value, default, what):

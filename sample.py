@@ -63,6 +63,12 @@ top_k = 200  # draw from the k likeliest tokens at each step (0: from all)
 seed = 1337
 device = "cuda" if torch.cuda.is_available() else "cpu"
 configurator.apply(globals(), sys.argv[1:])
+configurator.check_device(device)
+for name, fine, need in (("num_samples", num_samples >= 1, "at least 1"), ("max_new_tokens", max_new_tokens >= 0, "at least 0"),
+                         ("top_k", top_k >= 0, "at least 0 (0: every token)"),
+                         ("temperature", temperature > 0, "positive (top_k=1 takes the likeliest token each time)")):
+    if not fine:
+        configurator.fail(f"{name}={globals()[name]} must be {need}")
 
 torch.manual_seed(seed)
 data_config = {}

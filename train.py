@@ -123,8 +123,7 @@ def creatable(path):
     return os.path.isdir(path) and os.access(path, os.W_OK)
 
 
-if device.startswith("cuda") and not torch.cuda.is_available():
-    fail(f"device={device} but this torch has no CUDA device (use --device=cpu)")
+configurator.check_device(device)
 # distributed setup: torchrun sets RANK/WORLD_SIZE; a plain `python train.py` is one process
 rank, world_size, device = init_distributed(dist_backend, backend, device, dist_timeout_s)
 config["device"] = device
@@ -143,9 +142,15 @@ if eval_iters < 0:
 if eval_only and not eval_iters:
     fail("eval_only=True needs eval_iters > 0")
 for name in ("batch_size", "block_size", "gradient_accumulation_steps", "eval_interval", "log_interval",
-             "n_layer", "n_head"):
+             "n_layer", "n_head", "dist_timeout_s"):
     if globals()[name] < 1:
         fail(f"{name}={globals()[name]} must be at least 1")
+for name in ("max_iters", "warmup_iters", "learning_rate", "min_lr", "weight_decay", "grad_clip", "max_skipped_steps"):
+    if globals()[name] < 0:  # (grad_clip=-1, say, would train unclipped, silently)
+        fail(f"{name}={globals()[name]} is negative")
+for name in ("dropout", "beta1", "beta2"):
+    if not 0 <= globals()[name] < 1:
+        fail(f"{name}={globals()[name]} is outside [0, 1)")
 if n_embd % n_head:
     fail(f"n_embd={n_embd} is not divisible by n_head={n_head}")
 if not 0 <= malloc_mmap_threshold_mb <= 32:

@@ -290,9 +290,15 @@ def test_pruning_keeps_the_checkpoints_saved_last(tmp_path):
     (["--eval_only=True", "--eval_iters=0"], "eval_only=True needs eval_iters > 0"),
     (["--seed=-5"], "seed=-5 is negative"),
     (["--malloc_mmap_threshold_mb=64"], "malloc_mmap_threshold_mb=64 is outside 0..32"),
-    (["--block_size=200000"], "too few for block_size=200000")],  # (the val split has about 110,000)
+    (["--block_size=200000"], "too few for block_size=200000"),  # (the val split has about 110,000)
+    (["--device=tpu"], "unknown device 'tpu' (choose cpu, cuda or cuda:N)"),
+    (["--grad_clip=-1.0"], "grad_clip=-1.0 is negative"),  # (it trained unclipped)
+    (["--dropout=1.0"], "dropout=1.0 is outside [0, 1)"),
+    (["--beta2=1.5"], "beta2=1.5 is outside [0, 1)"),
+    (["--dist_timeout_s=0"], "dist_timeout_s=0 must be at least 1")],
     ids=["accumulation", "eval_interval", "heads", "cuda", "decay_before_warmup_ends", "min_lr_above_peak",
-         "eval_only_without_batches", "negative_seed", "mmap_threshold_above_32", "block_longer_than_the_data"])
+         "eval_only_without_batches", "negative_seed", "mmap_threshold_above_32", "block_longer_than_the_data",
+         "unknown_device", "negative_grad_clip", "dropout_of_one", "beta_above_one", "no_timeout"])
 def test_impossible_settings_are_refused(args, tmp_path, setting, named):
     if "cuda" in setting[0] and __import__("torch").cuda.is_available():
         pytest.skip("this machine has CUDA")

@@ -92,6 +92,16 @@ def test_sample_refuses_a_bad_prompt(trained, start, fragments):
     assert all(f in line for f in fragments), line
 
 
+@pytest.mark.parametrize("setting,named", [("--temperature=0.0", "temperature=0.0 must be positive (top_k=1"),
+                                           ("--top_k=-1", "top_k=-1 must be at least 0"),
+                                           ("--num_samples=0", "num_samples=0 must be at least 1"),
+                                           ("--max_new_tokens=-1", "max_new_tokens=-1 must be at least 0"),
+                                           ("--device=tpu", "unknown device 'tpu'")])
+def test_sample_refuses_impossible_settings(trained, setting, named):
+    """(temperature 0 divided the logits by zero; a negative top_k, or a TPU, gave torch's traceback)"""
+    assert named in one_error_line(sample(trained[0], setting))
+
+
 @pytest.mark.parametrize("args", [[], ["--help"], ["a", "b"]])
 def test_checkpoint_export_without_one_out_dir_prints_usage(args):
     res = python(REPO / "checkpoint.py", *args)
