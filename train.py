@@ -347,6 +347,11 @@ os.makedirs(out_dir, exist_ok=True)
 # eval_only's rows go beside the training run's, not among them
 metrics_path = os.path.join(out_dir, "eval.jsonl" if eval_only else "metrics.jsonl")
 metrics = open(metrics_path, "a" if init_from == "resume" or eval_only else "w") if master else None
+if master and metrics.tell():  # a killed run can leave half a line: the first row appended starts a new one
+    with open(metrics_path, "rb") as f:
+        f.seek(-1, os.SEEK_END)
+        if f.read(1) != b"\n":
+            metrics.write("\n")
 
 
 def log_metrics(**row):

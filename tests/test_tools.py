@@ -2,6 +2,7 @@
 names it, the trace analyser, bench.py and the prepare scripts refuse bad input in one line."""
 import importlib.util
 import io
+import json
 import shutil
 import sys
 import urllib.error
@@ -44,6 +45,21 @@ def trained(char_data, tmp_path_factory):
     res = python(REPO / "checkpoint.py", fresh)
     assert res.returncode == 0 and "iteration 6" in res.stdout, res.describe()
     return out, fresh / "ckpt.pt"
+
+
+def test_resume_after_a_half_written_metrics_line_starts_a_new_one(char_data, tmp_path):
+    """A run killed mid-write leaves half a row at the end of metrics.jsonl; the resumed run's first
+    row was glued to it, and so lost to every reader."""
+    args = [f"--data_dir={char_data}", *TINY, "--eval_iters=0"]  # (no eval row: the first appended row is a step's)
+    assert run_train(tmp_path, None, *args, "--max_iters=3").returncode == 0
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"iter": 3, "lo')
+    res = run_train(tmp_path, None, *args, "--max_iters=5", "--init_from=resume")
+    assert res.returncode == 0, res.describe()
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert lines.count('{"iter": 3, "lo') == 1
+    rows = [json.loads(line) for line in lines if line != '{"iter": 3, "lo']
+    assert [r["iter"] for r in rows if "loss" in r] == [0, 1, 2, 3, 4]
 
 
 def test_sample_takes_the_newer_of_ckpt_pt_and_latest(trained, tmp_path):
