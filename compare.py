@@ -158,6 +158,11 @@ def main(argv=None):
     ap.add_argument("out_dirs", nargs="+", help="run directories holding metrics.jsonl")
     ap.add_argument("--out", default="compare.png", help="where to write the plot")
     args = ap.parse_args(argv)
+    from matplotlib.backend_bases import FigureCanvasBase
+    if os.path.splitext(args.out)[1][1:].lower() not in FigureCanvasBase.get_supported_filetypes():
+        ap.error(f"--out {args.out}: name a picture file (.png, .svg, .pdf, ...)")
+    if not os.path.isdir(os.path.dirname(os.path.abspath(args.out))):
+        ap.error(f"--out {args.out}: its folder does not exist")
 
     runs = []
     for d, name in zip(args.out_dirs, run_names(args.out_dirs)):

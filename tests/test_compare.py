@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 import compare  # noqa: E402
@@ -74,6 +76,16 @@ def test_missing_metrics_exits_1(tmp_path):
     lines = res.stderr.strip().splitlines()
     assert len(lines) == 1 and "metrics.jsonl" in lines[0]
     assert not (tmp_path / "x.png").exists()
+
+
+@pytest.mark.parametrize("out,problem", [("x.txt", "name a picture file"), ("x", "name a picture file"),
+                                         ("no/such/folder/x.png", "its folder does not exist")])
+def test_an_unwritable_plot_is_refused_before_reading_runs(tmp_path, out, problem):
+    """(matplotlib raised at the end, after the table, for a format it does not write or a missing folder)"""
+    a, _ = make_runs(tmp_path)
+    res = subprocess.run([sys.executable, str(REPO / "compare.py"), str(a), "--out", str(tmp_path / out)],
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2 and problem in res.stderr.splitlines()[-1] and not res.stdout, res.stderr
 
 
 def test_a_resumed_run_counts_the_rows_of_its_last_attempt(tmp_path):
