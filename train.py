@@ -343,26 +343,31 @@ def seed_dropout(s):
 
 peak_flops = observe.peak_flops(torch.cuda.get_device_name(), dtype) if device_type == "cuda" else None
 
-os.makedirs(out_dir, exist_ok=True)
+if wandb_log and master:
+    import wandb
+    try:
+        wandb_run = wandb.init(project=wandb_project, name=f"{wandb_run_name}-{dist_backend}-w{world_size}",
+                               group=wandb_run_name, config=config, resume="allow")
+    except wandb.errors.Error as e:  # no API key, no network: say so, and how to log without them
+        fail(f"wandb_log=True: {str(e).splitlines()[0]} (WANDB_MODE=offline logs to ./wandb to sync later)")
+
 # eval_only's rows go beside the training run's, not among them
 metrics_path = os.path.join(out_dir, "eval.jsonl" if eval_only else "metrics.jsonl")
-metrics = open(metrics_path, "a" if init_from == "resume" or eval_only else "w") if master else None
-if master and metrics.tell():  # a killed run can leave half a line: the first row appended starts a new one
-    with open(metrics_path, "rb") as f:
-        f.seek(-1, os.SEEK_END)
-        if f.read(1) != b"\n":
-            metrics.write("\n")
+metrics = None  # (rank 0 logs; the others' checkpoint shards and traces make their own folders)
+if master:
+    os.makedirs(out_dir, exist_ok=True)
+    metrics = open(metrics_path, "a" if init_from == "resume" or eval_only else "w")
+    if metrics.tell():  # a killed run can leave half a line: the first row appended starts a new one
+        with open(metrics_path, "rb") as f:
+            f.seek(-1, os.SEEK_END)
+            if f.read(1) != b"\n":
+                metrics.write("\n")
 
 
 def log_metrics(**row):
     metrics.write(json.dumps(row) + "\n")
     metrics.flush()
 
-
-if wandb_log and master:
-    import wandb
-    wandb_run = wandb.init(project=wandb_project, name=f"{wandb_run_name}-{dist_backend}-w{world_size}",
-               group=wandb_run_name, config=config, resume="allow")
 
 # training loop: iterations iter_num .. max_iters-1; evaluate (and checkpoint) every eval_interval
 start_iter = iter_num  # a checkpoint of this iteration exists already (or it is 0)

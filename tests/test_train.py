@@ -670,6 +670,17 @@ def test_wandb_offline_run_records_the_curves(tiny_args, tmp_path):
         [(r["iter"], r["train_loss"], r["val_loss"]) for r in evals]
 
 
+def test_wandb_without_a_login_is_one_line(tiny_args, tmp_path):
+    """wandb_log=True online with no API key: one line that says so and how to log offline, before
+    out_dir is made (it was wandb's traceback, after the model was built)."""
+    env = {"WANDB_MODE": "online", "WANDB_API_KEY": "", "HOME": str(tmp_path), "WANDB_DIR": str(tmp_path),
+           "WANDB_CONFIG_DIR": str(tmp_path / "wandb_config")}  # (HOME: no ~/.netrc holds a key)
+    res = run_train(tmp_path / "out", 2, *tiny_args, "--max_iters=3", "--wandb_log=True", env=env)
+    line = one_error_line(res)
+    assert "wandb_log=True" in line and "WANDB_MODE=offline" in line, line
+    assert not (tmp_path / "out").exists()
+
+
 def reference_step0_loss(data_dir, ga, seed=1337, batch_size=4, block_size=32):
     """The global-batch mean loss of iteration 0, computed here from the data and the init."""
     import torch
