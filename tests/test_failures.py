@@ -123,6 +123,13 @@ def test_hsdp_across_nodes_matches_plain_fsdp(args, one_node_w4, tmp_path):
     assert max(abs(hsdp[i] - fsdp[i]) / fsdp[i] for i in hsdp) <= 1e-6
 
 
+# evaluations long enough (about a second each here) that a rank killed as the first checkpoint
+# appears dies before the run's next one, or its end: with 2 batches, the 8 iterations and two
+# saves left sometimes fit in the 0.2 s before the kill, and the job ended cleanly (the losses
+# do not depend on the evaluation)
+SLOW_EVAL = "--eval_iters=2000"
+
+
 def kill_one_worker_after_first_checkpoint(out_dir, cmd, env=None):
     proc = start(cmd, env)
     wait_for_checkpoint(out_dir, proc)
@@ -134,7 +141,8 @@ def kill_one_worker_after_first_checkpoint(out_dir, cmd, env=None):
 
 
 def test_sigkill_mid_training_stops_the_job_and_resume_is_exact(args, unbroken, tmp_path):
-    cmd = launcher(2, torchrun=True) + [REPO / "train.py", f"--out_dir={tmp_path}", "--device=cpu", *args, "--dist_backend=custom_fsdp"]
+    cmd = launcher(2, torchrun=True) + [REPO / "train.py", f"--out_dir={tmp_path}", "--device=cpu", *args,
+                                        "--dist_backend=custom_fsdp", SLOW_EVAL]
     proc, t0 = kill_one_worker_after_first_checkpoint(tmp_path, cmd)
     code, _, _ = finish(proc, 120)
     assert code != 0 and time.time() - t0 < 60  # torchrun tears the other rank down: no hang
@@ -192,7 +200,7 @@ def test_sigkill_mid_save_keeps_the_previous_checkpoint(args, unbroken, saved, t
 
 def test_elastic_restart_continues_from_the_last_checkpoint(args, unbroken, tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "--max_restarts=1",
-           REPO / "train.py", f"--out_dir={tmp_path}", "--device=cpu", *args, "--dist_backend=custom_fsdp"]
+           REPO / "train.py", f"--out_dir={tmp_path}", "--device=cpu", *args, "--dist_backend=custom_fsdp", SLOW_EVAL]
     proc, _ = kill_one_worker_after_first_checkpoint(tmp_path, cmd)
     code, out, err = finish(proc, 300)
     assert code == 0, err[-4000:]
