@@ -113,9 +113,10 @@ def test_sample_refuses_a_bad_prompt(trained, start, fragments):
                                            ("--num_samples=0", "num_samples=0 must be at least 1"),
                                            ("--max_new_tokens=-1", "max_new_tokens=-1 must be at least 0"),
                                            ("--device=tpu", "unknown device 'tpu'")])
-def test_sample_refuses_impossible_settings(trained, setting, named):
-    """(temperature 0 divided the logits by zero; a negative top_k, or a TPU, gave torch's traceback)"""
-    assert named in one_error_line(sample(trained[0], setting))
+def test_sample_refuses_impossible_settings(tmp_path, setting, named):
+    """Before it looks for a checkpoint (tmp_path holds none). (Temperature 0 divided the logits by
+    zero; a negative top_k, or a TPU, gave torch's traceback.)"""
+    assert named in one_error_line(sample(tmp_path, setting))
 
 
 @pytest.mark.parametrize("args", [[], ["--help"], ["a", "b"]])
