@@ -447,10 +447,16 @@ class ShardedUnit:
             if self.world == 2 and self.point_to_point:
                 self._reduce_scatter_pair(params, grads, numel)
                 return
-            # one rank: the reduction is the identity, so its input is its output (no copy)
-            rs_input = self.schedule.buffers.take(self.world * numel, self.reduce_dtype) if self.world > 1 \
-                else torch.empty(numel, dtype=self.reduce_dtype, device=self.compute_device)
-            torch._chunk_cat(grads, dim=0, num_chunks=self.world, out=rs_input.view(self.world, -1))
+            if self.world == 1:  # the reduction is the identity, so its input is its output (no copy)
+                rs_input = torch.empty(numel, dtype=self.reduce_dtype, device=self.compute_device)
+                # no padding to add, so one multi-tensor copy (and cast) does it: on an H100 CUDA's
+                # _chunk_cat kernel took 1.7x its time for a 1.3B model's block, at about the same
+                # host cost (IMPLEMENTATION.md, fourth GPU round)
+                torch._foreach_copy_(rs_input.split([ps.padded_numel for ps in params]),
+                                     [grad.flatten() for grad in grads])
+            else:
+                rs_input = self.schedule.buffers.take(self.world * numel, self.reduce_dtype)
+                torch._chunk_cat(grads, dim=0, num_chunks=self.world, out=rs_input.view(self.world, -1))
             grads.clear()  # the unsharded gradients are freed here
             # the output, which outlives the step as the sharded grads, only now (FSDP2's order too):
             # allocated before, it was one shard more at the peak, beside the unsharded grads

@@ -628,7 +628,7 @@ def collective_traces(rank, mesh1d):
             e is not r and e.get("tid") == r["tid"] and r["ts"] <= e["ts"] <= r["ts"] + r["dur"] for r in ranges)),
             key=lambda e: e["ts"])
 
-    copies = ("aten::_chunk_cat", "aten::split_with_sizes_copy")
+    copies = ("aten::_chunk_cat", "aten::_foreach_copy_", "aten::split_with_sizes_copy")
     report = {}
     for unit in units_of(model):
         shard_bytes, net, held = unit.shard_numel * 4, 0, None
