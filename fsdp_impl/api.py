@@ -240,8 +240,10 @@ class FSDPModule:
             self._fsdp_unit.schedule.reset()
 
     def set_requires_gradient_sync(self, requires_gradient_sync, *, recurse=True):
+        """Under HSDP this switches the all-reduce across replicas too, as FSDP2's does."""
         for unit in self._units(recurse):
             unit.requires_grad_sync = requires_gradient_sync
+            unit.requires_all_reduce = requires_gradient_sync
 
     def set_reshard_after_backward(self, reshard_after_backward, *, recurse=True):
         for unit in self._units(recurse):

@@ -114,6 +114,9 @@ class Net(nn.Module):
     def set_requires_all_reduce(self, requires_all_reduce):
         """The plain model's grads are averaged once, after the step's backward passes."""
 
+    def set_requires_gradient_sync(self, requires_gradient_sync):
+        """(As set_requires_all_reduce.)"""
+
 
 def build(impl, mesh, seed=0, meta=False, grouped=False, frozen=(), bf16=False, output_dtype=None,
           before_sharding=None, **net_kw):
@@ -358,6 +361,20 @@ def hsdp_all_reduce_micro_step_skips_the_unit(impl, mesh):
     return hsdp_all_reduce_off(impl, mesh, skips=((), (1, 2)))
 
 
+def hsdp_gradient_sync_switches_the_all_reduce_on(impl, mesh):
+    """HSDP, the all-reduce off in the first micro-step; set_requires_gradient_sync(True) in the
+    second switches it on again (FSDP2's does both), so the kept sums are averaged too."""
+    if impl == "ours":
+        mesh = init_device_mesh("cpu", (dist.get_world_size(), 1), mesh_dim_names=("replicate", "shard"))
+
+    def fwd_bwd(model, s):
+        model.set_requires_all_reduce(False)
+        model(data(s, 0)).backward()
+        model.set_requires_gradient_sync(True)
+        model(data(s, 1)).backward()
+    return train(build(impl, mesh), fwd_bwd)
+
+
 def reused_layer_outside_then_checkpointed(impl, mesh):
     return train(build(impl, mesh, reuse="outside_then_checkpointed"))
 
@@ -432,7 +449,8 @@ def unshard_under_inference_mode_before_each_forward(impl, mesh):
     return unshard_before_each_forward(impl, mesh, inference_mode=True)
 
 
-HSDP_FLOWS = [hsdp_kept_sums_lack_the_units_last_module, hsdp_kept_sums_lack_the_units_first_module,
+HSDP_FLOWS = [hsdp_gradient_sync_switches_the_all_reduce_on,
+              hsdp_kept_sums_lack_the_units_last_module, hsdp_kept_sums_lack_the_units_first_module,
               hsdp_all_reduce_micro_step_skips_a_module, hsdp_all_reduce_micro_step_skips_the_unit]
 
 

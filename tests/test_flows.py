@@ -15,7 +15,9 @@ twice in a block under reentrant checkpointing (its grads come in two backward p
 inference_mode forward between steps and as the first forward, module.double() after
 fully_shard, a block's unshard() before each step's forward (the first included; also under
 inference_mode), and the reused layer with retain_graph and with two forwards of whole-block
-reentrant checkpointing, and a block applied twice in one forward. More checks: every module of a grouped unit returns its output in output_dtype, a
+reentrant checkpointing, and a block applied twice in one forward; under HSDP,
+set_requires_gradient_sync(True) after set_requires_all_reduce(False), which switches the
+all-reduce on too. More checks: every module of a grouped unit returns its output in output_dtype, a
 model is freed once dropped, fully_shard twice on one module is a clear error that changes nothing,
 and a block run before the root's first forward is rejected with a RuntimeError, as FSDP2 does.
 
@@ -53,7 +55,8 @@ FLOWS = ["retain_graph", "autograd_grad_then_backward", "partial_no_grad_forward
          "reused_layer_checkpointed_twice", "inference_mode_forward_between_steps", "inference_mode_first_forward",
          "dtype_changed_after_fully_shard", "unshard_before_each_forward",
          "unshard_under_inference_mode_before_each_forward", "reused_layer_retain_graph",
-         "reused_layer_whole_block_checkpointed_two_forwards", "unit_called_twice_per_forward"]
+         "reused_layer_whole_block_checkpointed_two_forwards", "unit_called_twice_per_forward",
+         "hsdp_gradient_sync_switches_the_all_reduce_on"]
 
 
 @pytest.fixture(scope="module")
