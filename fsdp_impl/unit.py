@@ -86,6 +86,7 @@ class ParamShard:
         self.sharded = None  # nn.Parameter(DTensor), what the optimizer and state_dict see
         self.unsharded = None  # nn.Parameter viewing flat_full, what forward and backward see
         self.accumulated_grad = None  # reduce_dtype grad kept while gradient sync is off
+        self.requires_grad = param.requires_grad  # as last seen on both parameter objects
 
     def register(self, param):
         for module, name in self.registrations:
@@ -221,7 +222,7 @@ class ShardedUnit:
         for ps in self.params:
             start = ps.offset * self.world
             view = self.flat_full[start:start + math.prod(ps.shape)].view(ps.shape)
-            ps.unsharded = nn.Parameter(view, requires_grad=True)  # (_sync_requires_grad mirrors the sharded one)
+            ps.unsharded = nn.Parameter(view, requires_grad=ps.requires_grad)
         # each parameter's padded full tensor as [W, rows per rank * row numel]: where the all-gather's
         # pieces land
         self._padded_numels = [ps.padded_numel for ps in self.params]
@@ -324,6 +325,7 @@ class ShardedUnit:
             self._finish_gather()
         if self.state != UNSHARDED:
             return
+        self._sync_requires_grad()  # a freeze of the unsharded parameters outlives them
         for ps in self.params:
             ps.register(ps.sharded)
         self.schedule.buffers.drain(self.flat_full, self._full_memory)
@@ -372,11 +374,17 @@ class ShardedUnit:
         return True
 
     def _sync_requires_grad(self):
-        """requires_grad_() is called on the sharded parameters (those the user and the optimizer
-        hold): mirror it on the unsharded ones."""
+        """requires_grad_() may be called on either parameter object: the sharded one (registered
+        between steps, held by the optimizer) or the unsharded one (registered while the unit is
+        gathered, as the root is after a no_grad forward). The one that changed since the last
+        look sets both."""
         for ps in self.params:
-            if ps.unsharded.requires_grad != ps.sharded.requires_grad:
-                ps.unsharded.requires_grad_(ps.sharded.requires_grad)
+            sharded, unsharded = ps.sharded.requires_grad, ps.unsharded.requires_grad
+            if sharded == unsharded == ps.requires_grad:
+                continue
+            ps.requires_grad = sharded if sharded != ps.requires_grad else unsharded
+            ps.sharded.requires_grad_(ps.requires_grad)
+            ps.unsharded.requires_grad_(ps.requires_grad)
 
     def post_forward(self, grad_enabled):
         if self.training_state == "pre_backward":

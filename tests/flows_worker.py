@@ -375,6 +375,22 @@ def hsdp_gradient_sync_switches_the_all_reduce_on(impl, mesh):
     return train(build(impl, mesh), fwd_bwd)
 
 
+def requires_grad_changed_while_gathered(impl, mesh):
+    """After a no_grad forward the root stays gathered (reshard_after_forward is False for it):
+    inp.weight is frozen through the module then (the unsharded parameter is registered), out.weight
+    through the object the optimizer holds. Both stay frozen in the steps after. (FSDP2 unfreezes
+    inp.weight at the root's next gather and trains it in the last step: the reference is plain.)"""
+    def fwd_bwd(model, s):
+        if s == 1:
+            held = model.out.weight
+            with torch.no_grad():
+                model(data(s, k=1))
+            model.inp.weight.requires_grad_(False)
+            held.requires_grad_(False)
+        plain_step(model, s)
+    return train(build(impl, mesh), fwd_bwd)
+
+
 def reused_layer_outside_then_checkpointed(impl, mesh):
     return train(build(impl, mesh, reuse="outside_then_checkpointed"))
 
@@ -470,12 +486,14 @@ FLOWS = [retain_graph, autograd_grad_then_backward, partial_no_grad_forward_befo
          reused_layer_checkpointed_twice, inference_mode_forward_between_steps, inference_mode_first_forward,
          dtype_changed_after_fully_shard, unshard_before_each_forward,
          unshard_under_inference_mode_before_each_forward, reused_layer_retain_graph,
-         reused_layer_whole_block_checkpointed_two_forwards, unit_called_twice_per_forward]
+         reused_layer_whole_block_checkpointed_two_forwards, unit_called_twice_per_forward,
+         requires_grad_changed_while_gathered]
 REFERENCE = {flow: "fsdp2" for flow in FLOWS} | {
     partial_no_grad_forward_before_step_explicit_prefetch: "plain", reset_after_exception_in_backward: "plain",
     reentrant_checkpoint_two_forwards: "plain", inference_mode_first_forward: "plain",
     unshard_under_inference_mode_before_each_forward: "plain",
-    reused_layer_whole_block_checkpointed_two_forwards: "plain"} | {flow: "plain" for flow in HSDP_FLOWS}
+    reused_layer_whole_block_checkpointed_two_forwards: "plain", requires_grad_changed_while_gathered: "plain"} | {
+    flow: "plain" for flow in HSDP_FLOWS}
 # The plain model adds a block's gradients from the two recomputations before averaging over the
 # ranks; we reduce each recomputation's gradients as it finishes and add the averages: the same
 # sum in another order, so equal to rounding (FSDP2 is off by about 1 here: it loses a share).

@@ -17,7 +17,8 @@ fully_shard, a block's unshard() before each step's forward (the first included;
 inference_mode), and the reused layer with retain_graph and with two forwards of whole-block
 reentrant checkpointing, and a block applied twice in one forward; under HSDP,
 set_requires_gradient_sync(True) after set_requires_all_reduce(False), which switches the
-all-reduce on too. More checks: every module of a grouped unit returns its output in output_dtype, a
+all-reduce on too; requires_grad_() on the root's parameters while it is gathered after a no_grad
+forward, through the module and through the optimizer's object. More checks: every module of a grouped unit returns its output in output_dtype, a
 model is freed once dropped, fully_shard twice on one module is a clear error that changes nothing,
 and a block run before the root's first forward is rejected with a RuntimeError, as FSDP2 does.
 
@@ -25,7 +26,8 @@ The reference is FSDP2, except in the flows where FSDP2 (torch 2.13) computes so
 plain PyTorch: with explicit forward-prefetch lists it uses the probe's all-gather from before the
 optimizer step, and after reset_iter_state() it adds the failed step's head gradients to the next
 step's; in the HSDP flows (all-reduce off, then on, parts of a unit skipped) it fails on the shapes or
-drops the kept sums; with the first forward under inference_mode it fails. There the
+drops the kept sums; with the first forward under inference_mode it fails; after requires_grad_()
+on a gathered root's parameter it trains that parameter again from the root's next gather. There the
 reference is the plain model, its grads averaged over the ranks before each step
 (all_reduce AVG). In the other float32 flows FSDP2 matches that plain model bit for bit too
 (checked when the flows were written), so matching FSDP2 means computing the right thing. In the
@@ -56,7 +58,7 @@ FLOWS = ["retain_graph", "autograd_grad_then_backward", "partial_no_grad_forward
          "dtype_changed_after_fully_shard", "unshard_before_each_forward",
          "unshard_under_inference_mode_before_each_forward", "reused_layer_retain_graph",
          "reused_layer_whole_block_checkpointed_two_forwards", "unit_called_twice_per_forward",
-         "hsdp_gradient_sync_switches_the_all_reduce_on"]
+         "hsdp_gradient_sync_switches_the_all_reduce_on", "requires_grad_changed_while_gathered"]
 
 
 @pytest.fixture(scope="module")
