@@ -271,4 +271,7 @@ class _UnshardHandle:
         self.unit = unit
 
     def wait(self):
-        self.unit.wait_unshard()
+        """Finish the all-gather unshard() issued; nothing once a forward has waited for it (as FSDP2's)."""
+        if self.unit is not None and self.unit.state == GATHERING:
+            self.unit.wait_unshard()
+        self.unit = None

@@ -562,6 +562,19 @@ def list_argument_and_dropped_forward(impl, mesh):
     return rec
 
 
+def late_unshard_handle_wait(impl, mesh):
+    """A handle from blocks.0's unshard(async_op=True), waited only after the forward has used and
+    resharded the block: whether blocks.0 still holds its sharded DTensor parameters then."""
+    model = build(impl, mesh)
+    plain_step(model, 0)
+    handle = model.blocks[0].unshard(async_op=True)
+    loss = model(data(1))
+    handle.wait()
+    sharded_after = isinstance(model.blocks[0].a.weight, DTensor)
+    loss.backward()
+    return {"sharded_after_wait": sharded_after}
+
+
 def fully_shard_twice(impl, mesh):
     """fully_shard() again on a block already sharded: what is raised, and whether the model still
     trains a step afterwards (nothing was changed before the error)."""
@@ -648,7 +661,7 @@ def main():
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     result = {flow.__name__: compare(flow, mesh) for flow in FLOWS}
     for check in (grouped_unit_output_dtypes, freed_after_del, fully_shard_twice, list_argument_and_dropped_forward,
-                  inplace_on_a_view_output):
+                  inplace_on_a_view_output, late_unshard_handle_wait):
         result[check.__name__] = {impl: check(impl, mesh) for impl in ("fsdp2", "ours")}
     # The last flow can kill the process (fsdp_impl segfaulted there). The other flows' results are
     # written first, then again with this flow's record: after a crash the report lacks it (and the

@@ -20,7 +20,8 @@ set_requires_gradient_sync(True) after set_requires_all_reduce(False), which swi
 all-reduce on too; requires_grad_() on the root's parameters while it is gathered after a no_grad
 forward, through the module and through the optimizer's object. More checks: every module of a grouped unit returns its output in output_dtype, a
 model is freed once dropped, fully_shard twice on one module is a clear error that changes nothing,
-and a block run before the root's first forward is rejected with a RuntimeError, as FSDP2 does.
+a block run before the root's first forward is rejected with a RuntimeError, as FSDP2 does, and an
+unshard handle waited after the forward used its gather leaves the block sharded.
 
 The reference is FSDP2, except in the flows where FSDP2 (torch 2.13) computes something else than
 plain PyTorch: with explicit forward-prefetch lists it uses the probe's all-gather from before the
@@ -109,6 +110,14 @@ def test_the_input_gate_keeps_containers_and_overlap(report):
     expected = ["backward:root"] + [f"{e}:blocks.{i}" for i in (2, 1, 0) for e in ("backward", "backward_end")] \
         + ["backward_end:root"]
     assert r["ours"]["order"] == expected, r["ours"]["order"]
+
+
+def test_a_late_unshard_handle_wait_gathers_nothing(report):
+    """wait() on an unshard handle whose gather the forward already used and freed does nothing: it
+    used to gather the block again and leave it gathered (its DTensors unregistered)."""
+    r = report["late_unshard_handle_wait"]
+    assert r["fsdp2"]["sharded_after_wait"], r  # the reference behaviour
+    assert r["ours"]["sharded_after_wait"], "the late wait gathered blocks.0 again"
 
 
 def test_fully_shard_twice_is_a_clear_error(report):
