@@ -122,6 +122,17 @@ def holds_checkpoints(out_dir):
     return os.path.isdir(out_dir) and bool(_by_save_time(out_dir))
 
 
+def saved_by(out_dir, job):
+    """Whether a checkpoint in out_dir was saved by torchrun job `job` (its TORCHELASTIC_RUN_ID)."""
+    def job_of(name):
+        try:
+            with open(os.path.join(out_dir, name, "manifest.json")) as f:
+                return json.load(f).get("job")
+        except (OSError, ValueError, AttributeError):
+            return None
+    return any(job_of(name) == job for name in _by_save_time(out_dir))
+
+
 def latest_path(out_dir):
     pointer = os.path.join(out_dir, "latest")
     if not os.path.exists(pointer):

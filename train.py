@@ -202,12 +202,17 @@ iter_num, best_val_loss = 0, 1e9
 model_args = dict(n_layer=n_layer, n_head=n_head, n_embd=n_embd, block_size=block_size, bias=bias,
                   vocab_size=None, dropout=dropout, activation_checkpointing=activation_checkpointing)
 pretrained, pretrained_from = None, None  # the GPT-2 model a run started from sets its shape, not the config
+# torchrun restarted us after a failure: continue from the last checkpoint, if this job saved one
+# there (its first attempt may have been refused for another run's checkpoints). A job whose id is
+# torchrun's default for --rdzv_id cannot tell its own checkpoints, and resumes.
+job = os.environ.get("TORCHELASTIC_RUN_ID")  # the same in every restart of one torchrun job
 if init_from != "resume" and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0 \
-        and checkpoint.holds_checkpoints(out_dir):  # (without `latest`, the resume says what to mend)
-    init_from = "resume"  # torchrun restarted us after a failure: continue from the last checkpoint
+        and checkpoint.holds_checkpoints(out_dir) \
+        and (job in (None, "none") or checkpoint.saved_by(out_dir, job)):  # (no `latest`: the resume says what to mend)
+    init_from = "resume"
     if master:
         print(f"restart {os.environ['TORCHELASTIC_RESTART_COUNT']}: resuming from the last checkpoint")
-if init_from != "resume" and keep_checkpoints and not eval_only and checkpoint.holds_checkpoints(out_dir):
+if init_from != "resume" and not eval_only and checkpoint.holds_checkpoints(out_dir):
     fail(f"{out_dir} holds another run's checkpoints: continue it with --init_from=resume, or choose "
          "another out_dir (a new run there would replace them)")
 data_vocab = 50257  # the data's token ids are below this: GPT-2's BPE, unless meta.pkl says otherwise
@@ -397,7 +402,7 @@ while True:
             checkpoint.save(out_dir, model, optimizer, keep=keep_checkpoints, meta=dict(
                 iter_num=iter_num, best_val_loss=best_val_loss, model_args=model_args, config=config,
                 dist_backend=dist_backend, world_size=world_size, loss_scale=back.loss_scale_state(),
-                pretrained_from=pretrained_from))
+                pretrained_from=pretrained_from, job=job))
             if master:
                 print(f"saved checkpoint at iteration {iter_num} to {out_dir}")
     if iter_num >= max_iters or eval_only:

@@ -258,6 +258,23 @@ def test_a_new_run_refuses_an_out_dir_with_checkpoints(args, saved, tmp_path, po
     before = {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()}
     line = one_error_line(run_train(out, 1, *args, "--dist_backend=custom_fsdp", "--max_iters=2"))
     assert "holds another run's checkpoints" in line and "--init_from=resume" in line
+    # saving none, it would still start that run's metrics.jsonl afresh
+    line = one_error_line(run_train(out, 1, *args, "--dist_backend=custom_fsdp", "--max_iters=2", "--keep_checkpoints=0"))
+    assert "holds another run's checkpoints" in line
+    assert {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+
+
+def test_a_restarted_new_run_still_refuses_another_runs_checkpoints(args, saved, tmp_path):
+    """torchrun --max_restarts restarts a new run that was refused: the restart must not take the
+    other run's checkpoints for its own (it resumed them, trained on and pruned one)."""
+    out = tmp_path / "taken"
+    subprocess.run(["cp", "-r", str(saved), str(out)], check=True)
+    before = {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    cmd = launcher(2, torchrun=True) + ["--max_restarts=1", REPO / "train.py", f"--out_dir={out}", "--device=cpu",
+                                        *args, "--dist_backend=custom_fsdp"]
+    res = launch(cmd, timeout=180)
+    assert res.returncode != 0 and "resuming" not in res.stdout, res.describe()
+    assert "holds another run's checkpoints" in res.stderr, res.describe()
     assert {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
 
 
