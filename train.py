@@ -142,10 +142,11 @@ if eval_iters < 0:
 if eval_only and not eval_iters:
     fail("eval_only=True needs eval_iters > 0")
 for name in ("batch_size", "block_size", "gradient_accumulation_steps", "eval_interval", "log_interval",
-             "n_layer", "n_head", "dist_timeout_s"):
+             "n_layer", "n_head", "n_embd", "dist_timeout_s"):
     if globals()[name] < 1:
         fail(f"{name}={globals()[name]} must be at least 1")
-for name in ("max_iters", "warmup_iters", "learning_rate", "min_lr", "weight_decay", "grad_clip", "max_skipped_steps"):
+for name in ("max_iters", "warmup_iters", "learning_rate", "min_lr", "weight_decay", "grad_clip", "max_skipped_steps",
+             "min_wrap_params"):
     if globals()[name] < 0:  # (grad_clip=-1, say, would train unclipped, silently)
         fail(f"{name}={globals()[name]} is negative")
 for name in ("dropout", "beta1", "beta2"):

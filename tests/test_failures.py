@@ -320,10 +320,11 @@ def test_pruning_keeps_the_checkpoints_saved_last(tmp_path):
     (["--grad_clip=-1.0"], "grad_clip=-1.0 is negative"),  # (it trained unclipped)
     (["--dropout=1.0"], "dropout=1.0 is outside [0, 1)"),
     (["--beta2=1.5"], "beta2=1.5 is outside [0, 1)"),
-    (["--dist_timeout_s=0"], "dist_timeout_s=0 must be at least 1")],
+    (["--dist_timeout_s=0"], "dist_timeout_s=0 must be at least 1"),
+    (["--n_embd=0"], "n_embd=0 must be at least 1")],  # (0 divides by any n_head: it failed in the model)
     ids=["accumulation", "eval_interval", "heads", "cuda", "decay_before_warmup_ends", "min_lr_above_peak",
          "eval_only_without_batches", "negative_seed", "mmap_threshold_above_32", "block_longer_than_the_data",
-         "unknown_device", "negative_grad_clip", "dropout_of_one", "beta_above_one", "no_timeout"])
+         "unknown_device", "negative_grad_clip", "dropout_of_one", "beta_above_one", "no_timeout", "no_width"])
 def test_impossible_settings_are_refused(args, tmp_path, setting, named):
     if "cuda" in setting[0] and __import__("torch").cuda.is_available():
         pytest.skip("this machine has CUDA")

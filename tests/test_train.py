@@ -429,7 +429,7 @@ def test_eval_iters_zero_skips_evaluation(tiny_args, tmp_path):
     assert "Warning" not in res.stderr, res.describe()  # DCP warned at each save without a process group
 
 
-@pytest.mark.parametrize("key", ["keep_checkpoints", "eval_iters"])
+@pytest.mark.parametrize("key", ["keep_checkpoints", "eval_iters", "min_wrap_params"])
 def test_negative_counts(key, tiny_args, tmp_path):
     res = run_train(tmp_path / "o", None, *tiny_args, "--max_iters=1", f"--{key}=-1")
     assert_one_error(res, key, "-1")
