@@ -61,6 +61,7 @@ max_new_tokens = 300
 temperature = 0.8
 top_k = 200  # draw from the k likeliest tokens at each step (0: from all)
 seed = 1337
+data_dir = ""  # the folder of the run's meta.pkl (a character table): '' takes the run's own setting
 device = "cuda" if torch.cuda.is_available() else "cpu"
 configurator.apply(globals(), sys.argv[1:])
 configurator.check_device(device)
@@ -89,8 +90,9 @@ else:
 model.eval().to(device)
 
 # the tokenizer: the dataset's own character table if it has one, else GPT-2's BPE
-meta_path = os.path.join(data_config.get("data_dir") or os.path.join("data", data_config.get("dataset", "")), "meta.pkl")
-if data_config and os.path.exists(meta_path):
+meta_path = os.path.join(data_dir or data_config.get("data_dir") or os.path.join("data", data_config.get("dataset", "")),
+                         "meta.pkl")
+if (data_dir or data_config) and os.path.exists(meta_path):
     with open(meta_path, "rb") as f:
         meta = pickle.load(f)
     stoi, itos = meta["stoi"], meta["itos"]
@@ -103,6 +105,9 @@ if data_config and os.path.exists(meta_path):
 
     decode = lambda ids: "".join(itos[i] for i in ids)
     vocab_size = len(itos)
+elif model.config.vocab_size < 50257:  # a character table's model: GPT-2's token ids would not fit
+    configurator.fail(f"no {meta_path} (the model's {model.config.vocab_size}-token vocabulary is a character "
+                      "table's): run from the folder the training ran in, or pass --data_dir=<its data folder>")
 else:
     from data.gpt2_bpe import gpt2_encoding
     enc = gpt2_encoding()

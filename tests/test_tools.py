@@ -77,6 +77,15 @@ def test_sample_takes_the_newer_of_ckpt_pt_and_latest(trained, tmp_path):
     assert from_pt.stdout == from_dcp.stdout and "loaded" not in from_dcp.stdout
 
 
+def test_sample_without_the_character_table_says_where_it_looked(trained, char_data, tmp_path):
+    """A character-level model whose meta.pkl is not where it is looked for (the run's relative
+    data_dir, sampled from another folder): sample.py took GPT-2's BPE and failed in the model."""
+    line = one_error_line(sample(trained[0], f"--data_dir={tmp_path}"))
+    assert f"no {tmp_path / 'meta.pkl'} (the model's 65-token vocabulary" in line and "--data_dir=" in line, line
+    res = sample(trained[0], f"--data_dir={char_data}")
+    assert res.returncode == 0 and len(res.stdout.split("---------------")[0]) > 1, res.describe()
+
+
 def test_sample_top_k_0_draws_from_every_token(trained):
     res = sample(trained[0], "--top_k=0")
     assert res.returncode == 0 and len(res.stdout.split("---------------")[0]) > 1, res.describe()
