@@ -20,7 +20,8 @@ process CPU time per step, every thread's (train.py's cpu_ms): on a CPU machine 
 all busy, the step time follows it. The table is also written as JSON (--json; by default
 bench_out/bench.json, or sweep.json / comm.json for --sweep / --comm). A backend may carry its
 own train.py settings after colons (`fsdp:reshard_after_forward=False`); they apply to that row
-only, on top of the command's.
+only, on top of the command's. Relative paths (--work_dir, --json, train.py's --data_dir) are the
+folder's bench.py is started in.
 """
 import argparse
 import json
@@ -66,8 +67,7 @@ def run_train(row, nproc, out_dir, steps, extra, profile=False):
         f"--dist_backend={backend}", f"--out_dir={out_dir}", f"--max_iters={steps}",
         f"--eval_interval={10 ** 9}", f"--profile={profile}"]
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "WANDB_MODE": "disabled"}
-    proc = subprocess.run(launcher + [os.path.join(HERE, "train.py")] + args, env=env, cwd=HERE,
-                          capture_output=True, text=True)
+    proc = subprocess.run(launcher + [os.path.join(HERE, "train.py")] + args, env=env, capture_output=True, text=True)
     if proc.returncode:
         refusal = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
         if refusal:  # train.py refused its settings (an unknown key, say): its one line says why
@@ -274,7 +274,7 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[1], formatter_class=argparse.RawDescriptionHelpFormatter,
                                 allow_abbrev=False)
     p.add_argument("--backends", default="ddp,fsdp,custom_fsdp")
-    p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--nproc", type=int, default=None, help="processes per run (2; --sweep runs 1, 2 and 4)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--sweep", action="store_true")
@@ -300,6 +300,9 @@ def main():
         args.comm_mb = "1,4,16,64,256"
     if not re.fullmatch(r"[1-9]\d*(,[1-9]\d*)*", args.comm_mb):
         p.error(f"--comm_mb={args.comm_mb}: sizes in whole MB, comma-separated (1,4,16)")
+    if args.sweep and args.nproc is not None:
+        p.error(f"--nproc={args.nproc}: --sweep runs world sizes 1, 2 and 4")
+    args.nproc = 2 if args.nproc is None else args.nproc
     for name in ("nproc", "repeats"):
         if getattr(args, name) < 1:
             p.error(f"--{name}={getattr(args, name)}: at least 1")

@@ -282,15 +282,18 @@ def test_bench_rows_carry_their_own_settings(char_data, tmp_path):
     """A --backends entry with settings after colons runs with them: ZeRO-2 (no reshard after
     forward) skips the backward all-gathers, so its row moves fewer all-gather bytes than the
     default row of the same backend and the same reduce-scatter bytes. (With an evaluation at
-    the end, which would save a checkpoint in a training run: benchmark runs save none.)"""
+    the end, which would save a checkpoint in a training run: benchmark runs save none.) Run from
+    another folder than the repository's, with a relative --work_dir, which is the caller's folder's
+    (train.py ran in the repository and wrote its runs there, where bench.py did not look)."""
     out = tmp_path / "bench.json"
     zero2 = "custom_fsdp:reshard_after_forward=False"
     res = launch([sys.executable, REPO / "bench.py", f"--backends=custom_fsdp,{zero2}", "--nproc=2",
-                  "--repeats=1", "--steps=4", "--exposed=False", f"--work_dir={tmp_path}", f"--json={out}",
+                  "--repeats=1", "--steps=4", "--exposed=False", "--work_dir=runs", "--json=bench.json",
                   f"--data_dir={char_data}", "--device=cpu", "--n_layer=3", "--n_head=2", "--n_embd=32",
-                  "--block_size=32", "--batch_size=2", "--eval_iters=1"], timeout=300)
+                  "--block_size=32", "--batch_size=2", "--eval_iters=1"], timeout=300, cwd=tmp_path)
     assert res.returncode == 0, res.describe()
-    assert not list(tmp_path.glob("*/ckpt-*"))
+    assert (tmp_path / "runs" / "custom_fsdp-r0" / "metrics.jsonl").exists()
+    assert not list(tmp_path.glob("runs/*/ckpt-*"))
     rows = json.loads(out.read_text())["backends"]
     assert list(rows) == ["custom_fsdp", zero2]
     assert rows[zero2]["all_gather_mb"] < rows["custom_fsdp"]["all_gather_mb"]
@@ -300,7 +303,8 @@ def test_bench_rows_carry_their_own_settings(char_data, tmp_path):
 @pytest.mark.parametrize("args,problem", [(["--backends=custom_fsdp:prefetch"], "not key=value"),
                                           (["--backends=fsdp,fsdp"], "twice"),
                                           (["--nproc=0"], "--nproc=0: at least 1"),
-                                          (["--repeats=0"], "--repeats=0: at least 1")])
+                                          (["--repeats=0"], "--repeats=0: at least 1"),
+                                          (["--sweep", "--nproc=3"], "--nproc=3: --sweep runs world sizes 1, 2 and 4")])
 def test_bench_rejects_bad_arguments_before_running(args, problem, tmp_path):
     res = subprocess.run([sys.executable, REPO / "bench.py", *args, f"--work_dir={tmp_path}"],
                          capture_output=True, text=True, timeout=60)
