@@ -217,6 +217,10 @@ class FSDPModule:
                 self.__dict__["_fsdp_units_below"] = units
         return units
 
+    def __deepcopy__(self, memo):
+        raise TypeError(f"copy.deepcopy of a fully_shard-ed {type(self).__name__}: each rank holds only its shards "
+                        "(FSDP2 refuses it too); load its state_dict() into a model of its own")
+
     def unshard(self, async_op=False):
         unit = self._fsdp_unit
         if unit.schedule is None:  # before the first forward: set up from the root, as forward will

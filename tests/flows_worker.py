@@ -12,6 +12,7 @@ flows where FSDP2 itself goes wrong, the plain model with its grads averaged ove
 raises records the traceback, so one broken flow does not hide the others. tests/test_flows.py
 asserts on the report.
 """
+import copy
 import gc
 import json
 import math
@@ -582,6 +583,12 @@ def fully_shard_twice(impl, mesh):
     return raised_then_trains(model, lambda: SHARD[impl](model.blocks[0], mesh=mesh))
 
 
+def deepcopy_of_a_sharded_model(impl, mesh):
+    """copy.deepcopy of a sharded model (a teacher for distillation, say): what is raised."""
+    model = build(impl, mesh)
+    return raised_then_trains(model, lambda: copy.deepcopy(model))
+
+
 def raised_then_trains(model, attempt, recover=lambda: None):
     """What attempt() raised, and whether, after recover(), the model trains a step."""
     try:
@@ -661,7 +668,7 @@ def main():
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     result = {flow.__name__: compare(flow, mesh) for flow in FLOWS}
     for check in (grouped_unit_output_dtypes, freed_after_del, fully_shard_twice, list_argument_and_dropped_forward,
-                  inplace_on_a_view_output, late_unshard_handle_wait):
+                  inplace_on_a_view_output, late_unshard_handle_wait, deepcopy_of_a_sharded_model):
         result[check.__name__] = {impl: check(impl, mesh) for impl in ("fsdp2", "ours")}
     # The last flow can kill the process (fsdp_impl segfaulted there). The other flows' results are
     # written first, then again with this flow's record: after a crash the report lacks it (and the

@@ -21,7 +21,8 @@ all-reduce on too; requires_grad_() on the root's parameters while it is gathere
 forward, through the module and through the optimizer's object. More checks: every module of a grouped unit returns its output in output_dtype, a
 model is freed once dropped, fully_shard twice on one module is a clear error that changes nothing,
 a block run before the root's first forward is rejected with a RuntimeError, as FSDP2 does, and an
-unshard handle waited after the forward used its gather leaves the block sharded.
+unshard handle waited after the forward used its gather leaves the block sharded, and copy.deepcopy
+of a sharded model is a TypeError saying to copy its state_dict instead.
 
 The reference is FSDP2, except in the flows where FSDP2 (torch 2.13) computes something else than
 plain PyTorch: with explicit forward-prefetch lists it uses the probe's all-gather from before the
@@ -125,6 +126,15 @@ def test_fully_shard_twice_is_a_clear_error(report):
     assert r["fsdp2"]["raised"] and r["fsdp2"]["trains_after"], r["fsdp2"]  # the reference behaviour
     assert r["ours"]["raised"] == "ValueError" and "once per module" in r["ours"]["message"], r["ours"]
     assert r["ours"]["trains_after"], f"the failed call left the model broken:\n{r['ours'].get('traceback')}"
+
+
+def test_deepcopy_is_a_clear_error(report):
+    """FSDP2 refuses copy.deepcopy of a sharded model in a sentence; ours failed deep in torch's
+    storage code ("invalid python storage")."""
+    r = report["deepcopy_of_a_sharded_model"]
+    assert r["fsdp2"]["raised"], r["fsdp2"]  # the reference behaviour
+    assert r["ours"]["raised"] == "TypeError" and "state_dict" in r["ours"]["message"], r["ours"]
+    assert r["ours"]["trains_after"], f"the model was left broken:\n{r['ours'].get('traceback')}"
 
 
 def test_backward_without_its_gather_is_a_clear_error(report):
