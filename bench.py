@@ -20,8 +20,8 @@ process CPU time per step, every thread's (train.py's cpu_ms): on a CPU machine 
 all busy, the step time follows it. The table is also written as JSON (--json; by default
 bench_out/bench.json, or sweep.json / comm.json for --sweep / --comm). A backend may carry its
 own train.py settings after colons (`fsdp:reshard_after_forward=False`); they apply to that row
-only, on top of the command's. Relative paths (--work_dir, --json, train.py's --data_dir) are the
-folder's bench.py is started in.
+only, on top of the command's. Relative paths (--work_dir, --json, train.py's --data_dir) start
+from the folder bench.py runs in.
 """
 import argparse
 import json

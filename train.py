@@ -215,7 +215,7 @@ if init_from != "resume" and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)
         print(f"restart {os.environ['TORCHELASTIC_RESTART_COUNT']}: resuming from the last checkpoint")
 if init_from != "resume" and not eval_only and checkpoint.holds_checkpoints(out_dir):
     fail(f"{out_dir} holds another run's checkpoints: continue it with --init_from=resume, or choose "
-         "another out_dir (a new run there would replace them)")
+         "another out_dir (a new run there would replace them, and start its metrics.jsonl afresh)")
 data_vocab = 50257  # the data's token ids are below this: GPT-2's BPE, unless meta.pkl says otherwise
 if os.path.exists(os.path.join(data_dir, "meta.pkl")):
     import pickle
