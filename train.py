@@ -460,15 +460,18 @@ while True:
             with obs.host_time("optimizer"):
                 back.step(optimizer)
     comm.add_step()  # (the memory reports' own all-reduce is not training traffic)
-    # before zero_grad, so that the gradients are counted beside the parameters and optimizer state
+    # before zero_grad, so that the gradients are counted beside the parameters and optimizer state;
+    # its time (an all-reduce, a walk over the state) is left out of the step's
+    report_s = time.time()
     if len(memory_rows) == 1:
         memory_rows.append(obs.memory("after first step", model, optimizer))
     if iter_num == max_iters - 1:  # the training peak, before the final evaluation and save
         memory_rows.append(obs.memory("after last step", model, optimizer))
+    report_s = time.time() - report_s
     optimizer.zero_grad(set_to_none=True)
     if trim_heap_each_step:
         trim_malloc_heap()
-    dt = time.time() - t0
+    dt = time.time() - t0 - report_s
     obs.after_step()  # (after the clock: the trace, at the window's end, is written outside the step)
 
     if master:
