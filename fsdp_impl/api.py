@@ -76,12 +76,14 @@ def fully_shard(module, *, mesh=None, reshard_after_forward=None, mp_policy=Mixe
         # first, so that hooks the module already had see its gathered parameters (as under FSDP2)
         m.register_forward_pre_hook(_pre_forward, with_kwargs=True, prepend=True)
         m.register_forward_hook(_post_forward)
-        # state_dict() and load_state_dict() see the sharded DTensors
-        m.register_state_dict_pre_hook(lambda *_: unit.reshard())
-        m._register_load_state_dict_pre_hook(lambda *_: unit.reshard())
-        m.register_load_state_dict_post_hook(lambda *_: unit.adopt_assigned_params())
         cls = m.__class__
         m.__class__ = _fsdp_classes.setdefault(cls, type(f"FSDP{cls.__name__}", (FSDPModule, cls), {}))
+    # state_dict() and load_state_dict() see the sharded DTensors, also when called on a submodule
+    # holding some of the unit's parameters (FSDP2 hooks every such module too)
+    for owner in dict.fromkeys(modules + [owner for ps in unit.params for owner, _ in ps.registrations]):
+        owner.register_state_dict_pre_hook(lambda *_: unit.reshard())
+        owner._register_load_state_dict_pre_hook(lambda *_: unit.reshard())
+        owner.register_load_state_dict_post_hook(lambda *_: unit.adopt_assigned_params())
     return module
 
 

@@ -212,7 +212,10 @@ class ShardedUnit:
         if self.reshard_after_forward is None:
             # the root's parameters would be gathered again at once for backward: keep them
             self.reshard_after_forward = not is_root
-        self._adopt_materialized_params()
+        self.adopt_assigned_params()
+        if any(ps.sharded.is_meta for ps in self.params):
+            raise RuntimeError(f"fully_shard: parameters of {self.name} are still on the meta device at the first "
+                               "forward: materialize them first (to_empty() and an init, or load_state_dict(assign=True))")
         self.param_dtype = self.mp.param_dtype or self.dtype
         self.reduce_dtype = self.mp.reduce_dtype or self.param_dtype
         if self.reduce_dtype == torch.float16:
@@ -240,6 +243,8 @@ class ShardedUnit:
                 ps.sharded.to_local().untyped_storage().data_ptr() == self.flat_shard.untyped_storage().data_ptr()
                 for ps in self.params):
             return
+        if any(ps.sharded.is_meta for ps in self.params):
+            return  # a load into a meta model under way: the hook of its last module adopts them all
         self.dtype = self._common_dtype(ps.sharded for ps in self.params)  # module.to(dtype) may change it
         flat = self._new_flat_shard(self.params[0].sharded.device)
         for ps in self.params:
@@ -250,16 +255,18 @@ class ShardedUnit:
         self.flat_shard = flat
 
     def adopt_assigned_params(self):
-        """After load_state_dict(assign=True) the modules hold the loaded parameter objects, which
-        an optimizer built afterwards will update: make those ours, viewing a flat shard."""
+        """After load_state_dict(assign=True), or a parameter assigned before the first forward, the
+        modules hold new parameter objects, which an optimizer built afterwards will update: make
+        those ours, viewing a flat shard."""
         for ps in self.params:
             module, name = ps.registrations[0]
             loaded = module._parameters[name]
             if loaded is ps.sharded:
                 continue
             if not isinstance(loaded, DTensor) or loaded.shape != ps.shape or loaded.placements != self.placements:
-                raise ValueError(f"load_state_dict(assign=True) into {self.name}: {name} must be a DTensor of "
-                                 f"shape {tuple(ps.shape)} placed {self.placements} (a sharded state dict)")
+                raise ValueError(f"a parameter assigned in {self.name} (load_state_dict(assign=True), say): {name} "
+                                 f"must be a DTensor of shape {tuple(ps.shape)} placed {self.placements} (as in "
+                                 "a sharded state dict)")
             ps.sharded = loaded
             ps.register(loaded)  # the other registrations of a tied parameter
         self._adopt_materialized_params()

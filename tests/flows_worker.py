@@ -245,6 +245,31 @@ def load_state_dict_assign_meta(impl, mesh):
     return load_state_dict_assign(impl, mesh, meta=True)
 
 
+def load_state_dict_assign_into_a_submodule(impl, mesh, after_a_step=False):
+    """blocks.0.a (inside the unit of blocks.0) takes another model's sharded values with
+    load_state_dict(assign=True): its hooks, not only the unit's, must adopt them."""
+    donor = build(impl, mesh, seed=1)
+    state = {k: v.detach().clone() for k, v in donor.blocks[0].a.state_dict().items()}
+    model = build(impl, mesh)
+    if after_a_step:
+        plain_step(model, 0)
+        model.zero_grad()
+    model.blocks[0].a.load_state_dict(state, assign=True)
+    return train(model)
+
+
+def load_state_dict_assign_into_a_submodule_after_a_step(impl, mesh):
+    return load_state_dict_assign_into_a_submodule(impl, mesh, after_a_step=True)
+
+
+def parameter_assigned_before_the_first_forward(impl, mesh):
+    """model.blocks[0].a.weight = another model's sharded parameter: the first forward adopts it."""
+    donor = build(impl, mesh, seed=1)
+    model = build(impl, mesh)
+    model.blocks[0].a.weight = nn.Parameter(donor.blocks[0].a.weight.detach().clone())
+    return train(model)
+
+
 def grouped_unit_last_module_skipped(impl, mesh):
     def fwd_bwd(model, s):
         model.skip = (2,) if s == 1 else ()  # the unit [blocks.1, blocks.2] ends without its last module
@@ -488,7 +513,8 @@ FLOWS = [retain_graph, autograd_grad_then_backward, partial_no_grad_forward_befo
          dtype_changed_after_fully_shard, unshard_before_each_forward,
          unshard_under_inference_mode_before_each_forward, reused_layer_retain_graph,
          reused_layer_whole_block_checkpointed_two_forwards, unit_called_twice_per_forward,
-         requires_grad_changed_while_gathered]
+         requires_grad_changed_while_gathered, load_state_dict_assign_into_a_submodule,
+         load_state_dict_assign_into_a_submodule_after_a_step, parameter_assigned_before_the_first_forward]
 REFERENCE = {flow: "fsdp2" for flow in FLOWS} | {
     partial_no_grad_forward_before_step_explicit_prefetch: "plain", reset_after_exception_in_backward: "plain",
     reentrant_checkpoint_two_forwards: "plain", inference_mode_first_forward: "plain",
@@ -583,6 +609,35 @@ def fully_shard_twice(impl, mesh):
     return raised_then_trains(model, lambda: SHARD[impl](model.blocks[0], mesh=mesh))
 
 
+def submodule_state_dict_while_gathered(impl, mesh):
+    """After a no_grad forward the root stays gathered: whether out.state_dict() (a submodule
+    holding root parameters) returns sharded DTensors, and whether loading them back works."""
+    model = build(impl, mesh)
+    plain_step(model, 0)
+    with torch.no_grad():
+        model(data(1))
+    state = model.out.state_dict()
+    rec = {"dtensors": all(isinstance(v, DTensor) for v in state.values())}
+    with torch.no_grad():
+        model(data(1))
+    try:
+        model.out.load_state_dict({k: v.detach().clone() for k, v in state.items()})
+        rec["loaded"] = True
+    except Exception as e:
+        rec["loaded"] = f"{type(e).__name__}: {e}"
+    return rec
+
+
+def meta_model_first_forward(impl, mesh):
+    """A model built on the meta device and never materialized: what its first forward raises."""
+    model = build(impl, mesh, meta=True)
+    try:
+        plain_step(model, 0)
+        return {"raised": None}
+    except Exception as e:
+        return {"raised": type(e).__name__, "message": str(e)}
+
+
 def deepcopy_of_a_sharded_model(impl, mesh):
     """copy.deepcopy of a sharded model (a teacher for distillation, say): what is raised."""
     model = build(impl, mesh)
@@ -668,7 +723,8 @@ def main():
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     result = {flow.__name__: compare(flow, mesh) for flow in FLOWS}
     for check in (grouped_unit_output_dtypes, freed_after_del, fully_shard_twice, list_argument_and_dropped_forward,
-                  inplace_on_a_view_output, late_unshard_handle_wait, deepcopy_of_a_sharded_model):
+                  inplace_on_a_view_output, late_unshard_handle_wait, deepcopy_of_a_sharded_model,
+                  submodule_state_dict_while_gathered, meta_model_first_forward):
         result[check.__name__] = {impl: check(impl, mesh) for impl in ("fsdp2", "ours")}
     # The last flow can kill the process (fsdp_impl segfaulted there). The other flows' results are
     # written first, then again with this flow's record: after a crash the report lacks it (and the

@@ -18,11 +18,15 @@ inference_mode), and the reused layer with retain_graph and with two forwards of
 reentrant checkpointing, and a block applied twice in one forward; under HSDP,
 set_requires_gradient_sync(True) after set_requires_all_reduce(False), which switches the
 all-reduce on too; requires_grad_() on the root's parameters while it is gathered after a no_grad
-forward, through the module and through the optimizer's object. More checks: every module of a grouped unit returns its output in output_dtype, a
+forward, through the module and through the optimizer's object; load_state_dict(assign=True) into a
+submodule of a unit (before the first step and after one), and a parameter assigned before the
+first forward. More checks: every module of a grouped unit returns its output in output_dtype, a
 model is freed once dropped, fully_shard twice on one module is a clear error that changes nothing,
 a block run before the root's first forward is rejected with a RuntimeError, as FSDP2 does, and an
 unshard handle waited after the forward used its gather leaves the block sharded, and copy.deepcopy
-of a sharded model is a TypeError saying to copy its state_dict instead.
+of a sharded model is a TypeError saying to copy its state_dict instead, and state_dict() of a
+submodule of a gathered unit holds the sharded DTensors; the first forward of a model left on the
+meta device is a RuntimeError that says so.
 
 The reference is FSDP2, except in the flows where FSDP2 (torch 2.13) computes something else than
 plain PyTorch: with explicit forward-prefetch lists it uses the probe's all-gather from before the
@@ -60,7 +64,9 @@ FLOWS = ["retain_graph", "autograd_grad_then_backward", "partial_no_grad_forward
          "dtype_changed_after_fully_shard", "unshard_before_each_forward",
          "unshard_under_inference_mode_before_each_forward", "reused_layer_retain_graph",
          "reused_layer_whole_block_checkpointed_two_forwards", "unit_called_twice_per_forward",
-         "hsdp_gradient_sync_switches_the_all_reduce_on", "requires_grad_changed_while_gathered"]
+         "hsdp_gradient_sync_switches_the_all_reduce_on", "requires_grad_changed_while_gathered",
+         "load_state_dict_assign_into_a_submodule", "load_state_dict_assign_into_a_submodule_after_a_step",
+         "parameter_assigned_before_the_first_forward"]
 
 
 @pytest.fixture(scope="module")
@@ -126,6 +132,20 @@ def test_fully_shard_twice_is_a_clear_error(report):
     assert r["fsdp2"]["raised"] and r["fsdp2"]["trains_after"], r["fsdp2"]  # the reference behaviour
     assert r["ours"]["raised"] == "ValueError" and "once per module" in r["ours"]["message"], r["ours"]
     assert r["ours"]["trains_after"], f"the failed call left the model broken:\n{r['ours'].get('traceback')}"
+
+
+def test_a_submodules_state_dict_is_sharded_while_its_unit_is_gathered(report):
+    """state_dict() on a module holding some of a gathered unit's parameters reshards first, as on
+    the unit's own module: it returned the gathered tensors, and loading DTensors failed."""
+    r = report["submodule_state_dict_while_gathered"]
+    assert r["fsdp2"] == {"dtensors": True, "loaded": True}, r  # the reference behaviour
+    assert r["ours"] == r["fsdp2"], r["ours"]
+
+
+def test_a_meta_model_first_forward_is_a_clear_error(report):
+    r = report["meta_model_first_forward"]
+    assert r["fsdp2"]["raised"] == "RuntimeError", r  # the reference behaviour
+    assert r["ours"]["raised"] == "RuntimeError" and "meta device" in r["ours"]["message"], r["ours"]
 
 
 def test_deepcopy_is_a_clear_error(report):
