@@ -12,6 +12,7 @@ and registers thin forward hooks that call into the module's ShardedUnit.
 from dataclasses import dataclass
 
 import torch
+import torch._dynamo
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.utils import _apply_to_tensors
@@ -122,6 +123,9 @@ def _cast(tree, dtype):
     return _map_tensors(lambda t: t.to(dtype) if t.is_floating_point() else t, tree)
 
 
+# The hooks stay out of any graph torch.compile makes of a module's call (module.compile()): traced,
+# they broke it into pieces and recompiled on their counters (as FSDP2, which disables its hooks too)
+@torch._dynamo.disable(recursive=True)
 def _pre_forward(module, args, kwargs):
     unit = module._fsdp_unit
     if unit.schedule is None:
@@ -175,6 +179,7 @@ def _gate_inputs(unit, args, kwargs):
     return _map_tensors(lambda t: next(gated) if needs_grad(t) else t, (args, kwargs))
 
 
+@torch._dynamo.disable(recursive=True)
 def _post_forward(module, args, output):
     unit = module._fsdp_unit
     if unit.mp.output_dtype is not None:  # every module's output, in a grouped unit too (as FSDP2)

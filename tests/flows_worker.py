@@ -628,6 +628,21 @@ def submodule_state_dict_while_gathered(impl, mesh):
     return rec
 
 
+def graphs_of_compiled_blocks(impl, mesh):
+    """block.compile() before sharding (the module's whole call, hooks included, as torch.compile
+    sees it; dynamo's eager backend, so nothing is built): how many graphs three steps and an
+    evaluation make. Traced, our hooks split each block's call and recompiled on their counters."""
+    from torch._dynamo.utils import counters
+    torch._dynamo.reset()
+    counters.clear()
+    model = build(impl, mesh, before_sharding=lambda m: [b.compile(backend="eager") for b in m.blocks])
+    for s in range(3):
+        plain_step(model, s)
+        with torch.no_grad():
+            model(data(s, k=1))
+    return counters["stats"]["unique_graphs"]
+
+
 def meta_model_first_forward(impl, mesh):
     """A model built on the meta device and never materialized: what its first forward raises."""
     model = build(impl, mesh, meta=True)
@@ -724,7 +739,7 @@ def main():
     result = {flow.__name__: compare(flow, mesh) for flow in FLOWS}
     for check in (grouped_unit_output_dtypes, freed_after_del, fully_shard_twice, list_argument_and_dropped_forward,
                   inplace_on_a_view_output, late_unshard_handle_wait, deepcopy_of_a_sharded_model,
-                  submodule_state_dict_while_gathered, meta_model_first_forward):
+                  submodule_state_dict_while_gathered, meta_model_first_forward, graphs_of_compiled_blocks):
         result[check.__name__] = {impl: check(impl, mesh) for impl in ("fsdp2", "ours")}
     # The last flow can kill the process (fsdp_impl segfaulted there). The other flows' results are
     # written first, then again with this flow's record: after a crash the report lacks it (and the

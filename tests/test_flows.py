@@ -26,7 +26,8 @@ a block run before the root's first forward is rejected with a RuntimeError, as 
 unshard handle waited after the forward used its gather leaves the block sharded, and copy.deepcopy
 of a sharded model is a TypeError saying to copy its state_dict instead, and state_dict() of a
 submodule of a gathered unit holds the sharded DTensors; the first forward of a model left on the
-meta device is a RuntimeError that says so.
+meta device is a RuntimeError that says so; block.compile() before sharding makes as many graphs
+as under FSDP2 (the hooks stay out of them).
 
 The reference is FSDP2, except in the flows where FSDP2 (torch 2.13) computes something else than
 plain PyTorch: with explicit forward-prefetch lists it uses the probe's all-gather from before the
@@ -146,6 +147,11 @@ def test_a_meta_model_first_forward_is_a_clear_error(report):
     r = report["meta_model_first_forward"]
     assert r["fsdp2"]["raised"] == "RuntimeError", r  # the reference behaviour
     assert r["ours"]["raised"] == "RuntimeError" and "meta device" in r["ours"]["message"], r["ours"]
+
+
+def test_compiling_a_blocks_call_leaves_the_hooks_out_of_its_graphs(report):
+    r = report["graphs_of_compiled_blocks"]
+    assert r["ours"] == r["fsdp2"], r
 
 
 def test_deepcopy_is_a_clear_error(report):
