@@ -80,7 +80,9 @@ def fully_shard(module, *, mesh=None, reshard_after_forward=None, mp_policy=Mixe
         cls = m.__class__
         m.__class__ = _fsdp_classes.setdefault(cls, type(f"FSDP{cls.__name__}", (FSDPModule, cls), {}))
     # state_dict() and load_state_dict() see the sharded DTensors, also when called on a submodule
-    # holding some of the unit's parameters (FSDP2 hooks every such module too)
+    # holding some of the unit's parameters (FSDP2 hooks every such module too). A load with
+    # assign=True into a materialized unit then rebuilds its flat shard once per such module: a
+    # one-time copy, where a load into a meta model builds it once, after its last module
     for owner in dict.fromkeys(modules + [owner for ps in unit.params for owner, _ in ps.registrations]):
         owner.register_state_dict_pre_hook(lambda *_: unit.reshard())
         owner._register_load_state_dict_pre_hook(lambda *_: unit.reshard())
