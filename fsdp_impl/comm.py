@@ -75,8 +75,10 @@ def exchanges(group, device):
     return group.size() > 1 and device.type == "cpu" and dist.get_backend(group) == "gloo"
 
 
-# tags keep the messages of an all-gather and a reduce-scatter in flight at once apart
-TAGS = {"all_gather": 1, "reduce_scatter": 2}
+# tags keep the messages of an all-gather and a reduce-scatter in flight at once apart. The group
+# is the caller's too, and gloo matches messages by (peer, tag): so from the top of the range, away
+# from the small tags a training loop's own send/recv use (with tag 1 they took each other's messages)
+TAGS = {"all_gather": 2**31 - 2, "reduce_scatter": 2**31 - 1}
 
 
 class _Exchange:

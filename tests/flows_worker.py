@@ -270,6 +270,18 @@ def parameter_assigned_before_the_first_forward(impl, mesh):
     return train(model)
 
 
+def own_messages_inside_a_forward(impl, mesh):
+    """blocks.1's forward sends rank 1 a message of its own (tag 1) while the all-gather of blocks.2
+    is in flight: gloo matches messages by peer and tag, and ours used tags 1 and 2."""
+    def exchange(module, args):
+        t = torch.full((3,), float(dist.get_rank()))
+        if dist.get_rank() == 0:
+            dist.send(t, 1, tag=1)
+        elif dist.get_rank() == 1:
+            dist.recv(t, 0, tag=1)
+    return train(build(impl, mesh, before_sharding=lambda m: m.blocks[1].register_forward_pre_hook(exchange)))
+
+
 def grouped_unit_last_module_skipped(impl, mesh):
     def fwd_bwd(model, s):
         model.skip = (2,) if s == 1 else ()  # the unit [blocks.1, blocks.2] ends without its last module
@@ -514,7 +526,8 @@ FLOWS = [retain_graph, autograd_grad_then_backward, partial_no_grad_forward_befo
          unshard_under_inference_mode_before_each_forward, reused_layer_retain_graph,
          reused_layer_whole_block_checkpointed_two_forwards, unit_called_twice_per_forward,
          requires_grad_changed_while_gathered, load_state_dict_assign_into_a_submodule,
-         load_state_dict_assign_into_a_submodule_after_a_step, parameter_assigned_before_the_first_forward]
+         load_state_dict_assign_into_a_submodule_after_a_step, parameter_assigned_before_the_first_forward,
+         own_messages_inside_a_forward]
 REFERENCE = {flow: "fsdp2" for flow in FLOWS} | {
     partial_no_grad_forward_before_step_explicit_prefetch: "plain", reset_after_exception_in_backward: "plain",
     reentrant_checkpoint_two_forwards: "plain", inference_mode_first_forward: "plain",

@@ -19,8 +19,9 @@ reentrant checkpointing, and a block applied twice in one forward; under HSDP,
 set_requires_gradient_sync(True) after set_requires_all_reduce(False), which switches the
 all-reduce on too; requires_grad_() on the root's parameters while it is gathered after a no_grad
 forward, through the module and through the optimizer's object; load_state_dict(assign=True) into a
-submodule of a unit (before the first step and after one), and a parameter assigned before the
-first forward. More checks: every module of a grouped unit returns its output in output_dtype, a
+submodule of a unit (before the first step and after one), a parameter assigned before the
+first forward, and a block's forward sending a message of its own (tag 1) while a gather is in
+flight. More checks: every module of a grouped unit returns its output in output_dtype, a
 model is freed once dropped, fully_shard twice on one module is a clear error that changes nothing,
 a block run before the root's first forward is rejected with a RuntimeError, as FSDP2 does, and an
 unshard handle waited after the forward used its gather leaves the block sharded, and copy.deepcopy
@@ -67,7 +68,7 @@ FLOWS = ["retain_graph", "autograd_grad_then_backward", "partial_no_grad_forward
          "reused_layer_whole_block_checkpointed_two_forwards", "unit_called_twice_per_forward",
          "hsdp_gradient_sync_switches_the_all_reduce_on", "requires_grad_changed_while_gathered",
          "load_state_dict_assign_into_a_submodule", "load_state_dict_assign_into_a_submodule_after_a_step",
-         "parameter_assigned_before_the_first_forward"]
+         "parameter_assigned_before_the_first_forward", "own_messages_inside_a_forward"]
 
 
 @pytest.fixture(scope="module")
