@@ -83,7 +83,7 @@ def fully_shard(module, *, mesh=None, reshard_after_forward=None, mp_policy=Mixe
     # holding some of the unit's parameters (FSDP2 hooks every such module too). A load with
     # assign=True into a materialized unit then rebuilds its flat shard once per such module: a
     # one-time copy, where a load into a meta model builds it once, after its last module
-    for owner in dict.fromkeys(modules + [owner for ps in unit.params for owner, _ in ps.registrations]):
+    for owner in dict.fromkeys(modules + [module for ps in unit.params for module, _ in ps.registrations]):
         owner.register_state_dict_pre_hook(lambda *_: unit.reshard())
         owner._register_load_state_dict_pre_hook(lambda *_: unit.reshard())
         owner.register_load_state_dict_post_hook(lambda *_: unit.adopt_assigned_params())
