@@ -7,8 +7,8 @@ traces and memory snapshots of a few steps. train.py owns one Observer.
                             of the run's steps PROFILE_STEPS, each a ProfilerStep#<step> range
                             holding that training step alone (evaluation and checkpointing
                             fall between the ranges); fsdp_impl.overlap reports per range.
-                            On CPU every thread is recorded (custom_fsdp's messages are posted
-                            by a thread of their own), unless --memory_snapshot=True is on too.
+                            On CPU every thread is recorded (custom_fsdp's bytes are moved by a
+                            thread of their own), unless --memory_snapshot=True is on too.
     --memory_snapshot=True  CUDA: torch.cuda.memory history, out_dir/memory/rank<R>.pickle (open it
                             at pytorch.org/memory_viz); CPU: a trace with every allocation and the
                             memory in use as a counter track, rank<R>.json (open it in Perfetto).
@@ -186,13 +186,14 @@ class Observer:
             # no schedule: its ProfilerStep ranges would run from one step() to the next, through
             # whatever lies between two steps; ours are opened and closed around each step (and
             # the profiler's start-up, which the schedule's warm-up step absorbed, is outside both)
-            # on CPU every thread, for fsdp_impl's gloo messages, which a thread of its own posts;
-            # the profiler then records no allocations, so a memory timeline has the training
-            # thread's (and gloo's workers'), not that thread's (which posts, allocating nothing)
+            # on CPU every thread, for fsdp_impl's exchanges, which a thread of its own moves (gloo's
+            # messages, or shared memory); the profiler then records no allocations, so a memory
+            # timeline has the training thread's (and gloo's workers'), not that thread's (which
+            # allocates nothing)
             threads = torch._C._profiler._ExperimentalConfig(profile_all_threads=not (self.cuda or mem))
             if mem and self.profile and comm.posting_thread_started() and self.rank == 0:
                 print("--profile=True with --memory_snapshot=True on CPU: the trace records allocations, so it "
-                      "leaves out the thread that posts fsdp_impl's messages; for the overlap, profile "
+                      "leaves out the thread that moves fsdp_impl's bytes; for the overlap, profile "
                       "without --memory_snapshot", flush=True)
             self.profiler = torch.profiler.profile(activities=acts, record_shapes=mem, profile_memory=mem,
                                                    with_stack=mem, experimental_config=threads)

@@ -72,6 +72,7 @@ reshard_after_forward = True  # True: ZeRO-3 (free gathered params after forward
 wrap_policy = "block"  # 'block': one unit per block + root; 'model': one unit; 'size': group blocks
 min_wrap_params = 1_000_000  # wrap_policy='size': consecutive blocks per unit until this many params
 prefetch = True  # gather the next unit while this one computes
+shared_memory = True  # custom_fsdp on CPU: ranks of one host pass their bytes through shared memory, not gloo's TCP
 replicate_degree = 1  # HSDP: >1 replicates over this many groups and shards inside each
 cpu_offload = False  # keep sharded params, grads and optimizer state in CPU memory (CUDA only)
 activation_checkpointing = False  # recompute each block's activations in backward (any backend)

@@ -10,12 +10,15 @@ both the communication runs while the caller computes, until the wait.
 events (all-gather issued / waited, forward / backward of a unit, reduce-scatter issued /
 waited, free). Logging costs one `if` per event when off.
 """
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
 from torch.autograd.profiler import record_function
+
+from . import shm
 
 
 class Ledger:
@@ -100,33 +103,39 @@ class _Exchange:
 
 
 _poster = None  # the posting thread (see exchange), started by the first exchange
+# False: the exchanges keep gloo's messages even where the ranks share a host (read at a group's
+# first exchange; train.py's shared_memory setting)
+shared_memory = True
+_channels = weakref.WeakKeyDictionary()  # group -> shm.Channels, or None where it keeps gloo's messages
 
 
 def exchange(kind, nbytes, sends, recvs, group):
-    """Have the posting thread post the messages that together do one collective of `kind` on gloo;
-    returns a Future of their works.
+    """Have the posting thread move the bytes that together do one collective of `kind` on gloo;
+    returns a Future of the messages' works (none through shared memory: done when it is done).
 
     gloo's own collectives allocate buffers of the whole collective's size per call and copy
     through them (a fresh unit-sized allocation each time, on new heap pages on CPU; see
-    IMPLEMENTATION.md); messages go straight between the caller's tensors. `sends` and `recvs`
-    are (peer's rank in `group`, tensor) in an order both ends share: gloo matches the messages
-    between two ranks in the order they were posted, and one thread posts them all, in the
-    order of the calls. Empty tensors are skipped (both ends know the sizes). `nbytes` is the
-    collective's size (the all-gather's output, the reduce-scatter's input): counted here, and
-    by observe.py's counter, which wraps this function.
+    IMPLEMENTATION.md); exchanges go straight between the caller's tensors. `sends` and `recvs`
+    are (peer's rank in `group`, tensor) in an order both ends share. Where every rank of the group
+    runs on this host the bytes go through shared memory (shm.py), elsewhere as gloo's messages:
+    gloo matches the messages between two ranks in the order they were posted, and one thread
+    posts them all, in the order of the calls. Empty tensors are skipped (both ends know the
+    sizes). `nbytes` is the collective's size (the all-gather's output, the reduce-scatter's
+    input): counted here, and by observe.py's counter, which wraps this function.
 
     Why a thread of its own: gloo's TCP transport writes a message's bytes into the socket on
     the thread that posts the send, whenever the peer's receive is posted already, and posting
     a receive waits for the connection's lock while gloo's own thread reads. Posted by the
     training thread, the rank that came later to an exchange did that work in its training
     thread, so it stayed later, and the other rank waited for it at the end of backward (27 ms
-    of a 236 ms profiled step, 5M parameters; IMPLEMENTATION.md).
+    of a 236 ms profiled step, 5M parameters; IMPLEMENTATION.md). Through shared memory it is the
+    thread that copies the bytes, for the same reason.
     """
     global _poster
     ledger.count(kind, nbytes)
     if _poster is None:
         _poster = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fsdp_impl-post")
-    return _poster.submit(_post, TAGS[kind], sends, recvs, group)
+    return _poster.submit(_post, kind, sends, recvs, group)
 
 
 def posting_thread_started():
@@ -134,7 +143,14 @@ def posting_thread_started():
     return _poster is not None
 
 
-def _post(tag, sends, recvs, group):
+def _post(kind, sends, recvs, group):
+    tag = TAGS[kind]
+    if group not in _channels:  # the group's first exchange: both ends connect here, in the same place
+        _channels[group] = shm.connect(group, tag, shared_memory)
+    if _channels[group] is not None:  # one host: the bytes go through shared memory (shm.py), not TCP
+        with profiled(f"shm:{kind}"):  # (a communication range for fsdp_impl.overlap, as gloo's are)
+            _channels[group].transfer(sends, recvs)
+        return []
     works = []
     # sends first: with the receives posted first (and the all-gather's own copy before both), a
     # training step measured about 5% slower (5M parameters; IMPLEMENTATION.md)

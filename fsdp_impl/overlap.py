@@ -3,7 +3,8 @@ How much communication a profiler trace hid under compute, step by step, for any
 
     python -m fsdp_impl.overlap out/traces/custom_fsdp/rank0.json [more traces ...]
 
-Communication: on CPU, collective events (gloo's worker-thread ranges); on GPU, NCCL kernels and
+Communication: on CPU, collective events (gloo's worker-thread ranges, and fsdp_impl's shared-memory
+transfers on its posting thread); on GPU, NCCL kernels and
 every kernel off the compute stream (the stream with the most kernel time), such as the casts
 FSDP2 runs on its copy-in stream. Compute: the compute stream's other kernels; on CPU, the time
 the training thread (the one that runs ProfilerStep#N) spends in operators, minus the ranges
@@ -16,7 +17,7 @@ blocked it: which unit's all-gather or reduce-scatter to look at), on GPU the co
 import json
 import sys
 
-COMM_MARKS = ("gloo:", "nccl:", "ncclKernel", "ncclDevKernel")
+COMM_MARKS = ("gloo:", "shm:", "nccl:", "ncclKernel", "ncclDevKernel")
 TOP_PLACES = 3  # how many places of exposed communication are listed (here and in bench.py)
 BLOCKING = ("wait", "c10d::", "FSDP::all_gather", "FSDP::post_backward_reduce")
 

@@ -30,7 +30,8 @@ from observe import CommCounter  # noqa: E402
 MICRO_STEPS = 3
 N_LAYER = 2
 CFG = dict(device="cpu", dtype="float32", compile=False, cpu_offload=False, replicate_degree=1,
-           wrap_policy="block", min_wrap_params=1_000_000, reshard_after_forward=True, prefetch=True)
+           wrap_policy="block", min_wrap_params=1_000_000, reshard_after_forward=True, prefetch=True,
+           shared_memory=True)
 
 
 def allreduce_hook(state, bucket):

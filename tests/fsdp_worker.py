@@ -10,6 +10,7 @@ losses, grad norms and final parameters. Rank 0 writes everything to OUT.json; t
 test_fsdp_impl.py asserts on it. A mode that raises records its traceback instead of numbers,
 so one broken mode does not hide the others.
 """
+import contextlib
 import gc
 import json
 import math
@@ -39,7 +40,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 from fsdp_impl import MixedPrecisionPolicy as OurMixedPrecision  # noqa: E402
 from fsdp_impl import fully_shard as our_fully_shard  # noqa: E402
-from fsdp_impl import comm  # noqa: E402
+from fsdp_impl import comm, shm  # noqa: E402
 from fsdp_impl.comm import ledger  # noqa: E402
 from fsdp_impl.schedule import BufferPool  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
@@ -352,6 +353,14 @@ def parity_modes(world, mesh1d, mesh2d):
         return (*r, {f"{impl}_point_to_point": point_to_point})
     modes["library_collectives"] = library_collectives
 
+    def gloo_messages(impl):  # one host, but the bytes go as gloo's messages, as between hosts
+        posted = []
+        with mock.patch.dict(comm._channels, {mesh1d.get_group(): None}), \
+                mock.patch.object(dist, "isend", recording(dist.isend, posted)):
+            r = train(build_gpt(impl, mesh1d), "gloo_messages", micro=MICRO, micro_setup=sync_off)
+        return (*r, {f"{impl}_messages": len(posted)})
+    modes["gloo_messages"] = gloo_messages
+
     bf16 = dict(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 
     @no_extra
@@ -573,6 +582,7 @@ def memory_checks(world, mesh1d):
     h0.reshard()
     res["pool"] = {n_layer: pool_checks(rank, mesh1d, n_layer) for n_layer in (4, 8)}
     res["point_to_point"] = all(u.point_to_point for u in units_of(model))
+    res["shared_memory"] = comm._channels.get(mesh1d.get_group()) is not None
     res["collective_traces"] = collective_traces(rank, mesh1d)
     res["message_posts"] = message_posts(rank, mesh1d)
     res["collective_allocations"] = collective_allocations(world)
@@ -642,23 +652,36 @@ def collective_traces(rank, mesh1d):
     return report
 
 
+def recording(fn, threads):
+    """fn, noting in `threads` the thread of every call."""
+    def wrapped(*args, **kwargs):
+        threads.append(threading.get_ident())
+        return fn(*args, **kwargs)
+    return wrapped
+
+
 def message_posts(rank, mesh1d):
-    """How many point-to-point messages (dist.isend and dist.irecv calls) a training step posts on
-    the training thread, and how many on other threads."""
+    """Which threads move a training step's bytes: with gloo's messages, the calls that post them
+    (dist.isend and dist.irecv); through shared memory, the transfers. On the training thread, and
+    on others."""
     model = build_gpt("ours", mesh1d)
-    threads = []
-
-    def recording(post):
-        def wrapped(*args, **kwargs):
-            threads.append(threading.get_ident())
-            return post(*args, **kwargs)
-        return wrapped
-
     x, y = batch("memory", rank, 0, 0)
-    with mock.patch.object(dist, "isend", recording(dist.isend)), mock.patch.object(dist, "irecv", recording(dist.irecv)):
-        model(x, y)[1].backward()
-    training = threading.get_ident()
-    return {"training_thread": threads.count(training), "other_threads": len(threads) - threads.count(training)}
+    found, training = {}, threading.get_ident()
+    for transport in ("gloo", "shared_memory"):
+        threads = []
+        if transport == "gloo":
+            moves = [mock.patch.dict(comm._channels, {mesh1d.get_group(): None}),
+                     mock.patch.object(dist, "isend", recording(dist.isend, threads)),
+                     mock.patch.object(dist, "irecv", recording(dist.irecv, threads))]
+        else:
+            moves = [mock.patch.object(shm.Channels, "transfer", recording(shm.Channels.transfer, threads))]
+        with contextlib.ExitStack() as stack:
+            for move in moves:
+                stack.enter_context(move)
+            model(x, y)[1].backward()
+        found[transport] = {"training_thread": threads.count(training),
+                            "other_threads": len(threads) - threads.count(training)}
+    return found
 
 
 def pool_checks(rank, mesh1d, n_layer):

@@ -328,7 +328,7 @@ def test_train_writes_traces_memory_reports_and_a_memory_trace(char_data, tmp_pa
                     "--block_size=32", "--batch_size=2", "--max_iters=6", "--eval_iters=1",
                     "--dist_backend=custom_fsdp", "--profile=True", "--memory_snapshot=True")
     assert res.returncode == 0, res.describe()
-    assert "leaves out the thread that posts fsdp_impl's messages" in res.stdout  # (both flags on CPU)
+    assert "leaves out the thread that moves fsdp_impl's bytes" in res.stdout  # (both flags on CPU)
     assert f"wrote {tmp_path / 'traces' / 'custom_fsdp' / 'rank0.json'}, {tmp_path / 'memory' / 'rank0.json'} " \
         in res.stdout, res.stdout  # where to look
     for rank in (0, 1):
@@ -389,10 +389,11 @@ def test_profiled_steps_hold_training_steps_only_and_enclose_their_logged_time(b
             assert names.count("aten::cross_entropy_loss") == local_steps  # one per micro-batch: no evaluation
             assert names.count("Optimizer.step#AdamW.step") == 1
             assert not CHECKPOINT_COLLECTIVES & set(names)
-        if backend == "custom_fsdp":  # its gloo messages are in the steps, on comm.py's posting thread
-            sends = [e for e in events if e["name"] == "gloo:send" and any(
+        if backend == "custom_fsdp":  # its exchanges (through shared memory) are in the steps, on comm.py's posting thread
+            moves = [e for e in events if e["name"].startswith("shm:") and any(
                 s["ts"] <= e["ts"] < s["ts"] + s["dur"] for s in steps)]
-            assert sends and all(e["tid"] != steps[0]["tid"] for e in sends)
+            assert {e["name"] for e in moves} == {"shm:all_gather", "shm:reduce_scatter"}
+            assert all(e["tid"] != steps[0]["tid"] for e in moves)
         between = [e["name"] for e in main if not any(s["ts"] <= e["ts"] < s["ts"] + s["dur"] for s in steps)]
         assert between.count("aten::cross_entropy_loss") == 2 * evals_per_split  # iteration 3's evaluation
         assert CHECKPOINT_COLLECTIVES <= set(between)  # and its save
@@ -499,7 +500,7 @@ def test_memory_trace_notice_only_where_messages_are_posted_off_the_training_thr
         obs.before_step()
     obs.after_step()
     obs.finish()
-    assert ("leaves out the thread that posts fsdp_impl's messages" in capsys.readouterr().out) == posting
+    assert ("leaves out the thread that moves fsdp_impl's bytes" in capsys.readouterr().out) == posting
     assert (tmp_path / "traces" / "custom_fsdp" / "rank0.json").exists()
 
 

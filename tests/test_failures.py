@@ -172,7 +172,7 @@ def test_a_hung_rank_times_out_instead_of_hanging_the_job(args, tmp_path):
         os.kill(hung, signal.SIGCONT)
         code, _, err = finish(proc, 60)
         assert code != 0, err[-4000:]
-        assert "Timed out" in err, err[-4000:]
+        assert "timed out" in err.lower(), err[-4000:]  # (gloo's "Timed out", or fsdp_impl's shared memory)
     finally:
         for pid in [proc.pid, *children(proc.pid)]:  # on a failed assert: leave nothing stopped behind
             try:

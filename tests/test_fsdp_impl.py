@@ -64,12 +64,12 @@ def _no_error(section, what):
 # ---- parity with FSDP2 ----------------------------------------------------------------------
 PARITY_MODES = ["default", "grouped_blocks", "zero2", "grad_accum", "grad_accum_sync_each",
                 "no_reshard_after_backward", "no_reshard_after_backward_sync_on", "bf16_mp",
-                "bf16_grad_accum", "no_buffer_pool", "library_collectives", "meta_init", "eval_between_steps", "resume",
+                "bf16_grad_accum", "no_buffer_pool", "library_collectives", "gloo_messages", "meta_init", "eval_between_steps", "resume",
                 "grad_clip", "activation_checkpointing", "odd_model", "odd_model_frozen", "units_without_params"]
 HSDP_MODES = ["hsdp", "hsdp_all_reduce_off"]
 MICRO_STEP_MODES = {"grad_accum", "grad_accum_sync_each", "no_reshard_after_backward",
                     "no_reshard_after_backward_sync_on", "bf16_grad_accum", "no_buffer_pool", "library_collectives",
-                    "hsdp_all_reduce_off"}
+                    "gloo_messages", "hsdp_all_reduce_off"}
 PARITY_CASES = [(w, m) for w in WORLDS for m in PARITY_MODES] + [(4, m) for m in HSDP_MODES]
 
 
@@ -107,6 +107,16 @@ def test_gloo_exchange_paths_ran(results, world):
     turns that off, to run the library collectives' path (NCCL's) bitwise against FSDP2."""
     assert _extra(results, world, "library_collectives")["ours_point_to_point"] is False
     assert results(world)["memory"]["point_to_point"] is (world > 1)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_exchanges_go_through_shared_memory_on_one_host(results, world):
+    """Every rank here runs on one host, so from two ranks on the exchanges move their bytes through
+    shared memory (fsdp_impl/shm.py); the gloo_messages parity mode keeps gloo's messages, as
+    between hosts, and really posts them."""
+    assert results(world)["memory"]["shared_memory"] is (world > 1)
+    messages = _extra(results, world, "gloo_messages")["ours_messages"]
+    assert (messages > 0) is (world > 1), messages
 
 
 @pytest.mark.parametrize("world", WORLDS)
@@ -228,14 +238,16 @@ def test_gloo_collectives_copy_nothing_on_the_way(results, world):
 
 
 @pytest.mark.parametrize("world", WORLDS[1:])
-def test_gloo_messages_are_posted_off_the_training_thread(results, world):
+@pytest.mark.parametrize("transport", ["gloo", "shared_memory"])
+def test_bytes_are_moved_off_the_training_thread(results, world, transport):
     """gloo writes a message's bytes on the thread that posts it when the peer's receive is there
-    first: the posting thread posts every message, so the training thread never does that work."""
+    first, and through shared memory the thread that transfers copies them: the posting thread
+    does both, so the training thread never does that work."""
     m = results(world)["memory"]
     _no_error(m, "memory")
-    posts = m["message_posts"]
-    assert posts["training_thread"] == 0, posts
-    assert posts["other_threads"] > 0, posts  # (the probe sees them where they are)
+    moves = m["message_posts"][transport]
+    assert moves["training_thread"] == 0, moves
+    assert moves["other_threads"] > 0, moves  # (the probe sees them where they are)
 
 
 @pytest.mark.parametrize("world", WORLDS)

@@ -277,7 +277,7 @@ from backends import init_distributed, make_backend
 from model import GPT, GPTConfig
 init_distributed("custom_fsdp", "gloo", "cpu", 60)
 cfg = dict(device="cpu", dtype="float32", cpu_offload=False, replicate_degree=1, wrap_policy=sys.argv[1],
-           min_wrap_params=1, reshard_after_forward=True, prefetch=True, compile=True)
+           min_wrap_params=1, reshard_after_forward=True, prefetch=True, shared_memory=True, compile=True)
 with torch.device("meta"):
     gpt = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=64, dropout=0.0, bias=False))
 model = make_backend("custom_fsdp", cfg).wrap(gpt, lambda m: m.init_weights(0))
@@ -307,7 +307,7 @@ from backends import init_distributed, make_backend
 from model import GPT, GPTConfig
 init_distributed(sys.argv[1], "gloo", "cpu", 60)
 cfg = dict(device="cpu", dtype="float32", cpu_offload=False, replicate_degree=1, wrap_policy="block",
-           min_wrap_params=1, reshard_after_forward=True, prefetch=True, compile=False)
+           min_wrap_params=1, reshard_after_forward=True, prefetch=True, shared_memory=True, compile=False)
 back = make_backend(sys.argv[1], cfg)
 with torch.device("meta"):
     gpt = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=64, dropout=0.0, bias=False))

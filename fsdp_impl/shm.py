@@ -1,0 +1,232 @@
+"""
+Shared memory between the ranks of one host: how comm.py's exchanges move their bytes on CPU.
+
+gloo's point-to-point messages go through loopback TCP: copied into the kernel, out again, and
+handled by gloo's event-loop thread, about 0.75 ms of CPU per MB each way per rank on this
+project's CPU machine, 9x a memcpy (IMPLEMENTATION.md, "Shared memory"). Here each ordered pair of
+ranks (sender, receiver) shares a channel: a file in /dev/shm that both map, holding two slots of
+1 MB and two process-shared semaphores (slots filled, slots free). The sender copies the next
+piece of its bytes into a free slot and posts `filled`; the receiver waits for it, copies the slot
+out and posts `free`. That is two memcpys per byte, and no socket.
+
+An exchange is, for every peer, the tensors to send it and the tensors to receive from it, read as
+one stream of bytes each way. Both ends agree on their sizes, as they do for gloo's messages. The
+posting thread runs the exchanges one at a time, in the order they were issued. Every rank issues
+the same collectives in the same order (NCCL asks the same of FSDP2), so both ends of a channel
+walk through its slots in the same order.
+
+The ranks connect at their first exchange on a group, with gloo messages (connect). A group uses
+shared memory only if every rank of it can open every peer's channel files, which means one host.
+Otherwise, and off Linux, the group keeps gloo's messages. The files are unlinked as soon as
+everyone has opened them, so a crash leaves nothing behind in /dev/shm.
+"""
+import ctypes
+import errno
+import mmap
+import os
+import secrets
+import sys
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+SLOTS, SLOT_BYTES = 2, 1 << 20  # 1 MB: smaller or larger slots measured slower (IMPLEMENTATION.md)
+_SEM_BYTES = 64  # room for one sem_t (32 bytes on 64-bit glibc)
+_COUNTS = 2 * _SEM_BYTES  # then one int64 per slot: the bytes in it, which the receiver checks
+_HEADER = 4096  # the slots start on a page of their own
+_FILE_BYTES = _HEADER + SLOTS * SLOT_BYTES
+
+
+class _Timespec(ctypes.Structure):
+    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
+
+def _libc():
+    """glibc's semaphore functions, or None where there are none to share (not Linux, no /dev/shm)."""
+    if not sys.platform.startswith("linux") or not os.path.isdir("/dev/shm"):
+        return None
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.sem_init.argtypes = (ctypes.c_void_p, ctypes.c_int, ctypes.c_uint)
+    libc.sem_post.argtypes = (ctypes.c_void_p,)
+    libc.sem_timedwait.argtypes = (ctypes.c_void_p, ctypes.POINTER(_Timespec))
+    return libc
+
+
+_lib = _libc()
+
+
+def _path(pid, token, receiver):
+    return f"/dev/shm/fsdp_impl-{pid}-{token:x}-{receiver}"
+
+
+def _alive(pid):
+    """Whether process `pid` still runs (a zombie, dead but not yet reaped by its parent, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] not in "ZX"
+    except FileNotFoundError:
+        return False
+
+
+class _Channel:
+    """One direction between two ranks: a file in /dev/shm, mapped by both."""
+
+    def __init__(self, path, create):
+        fd = os.open(path, os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0), 0o600)
+        try:
+            if create:  # (reserves the pages: a full /dev/shm fails here, not with SIGBUS on a write)
+                os.posix_fallocate(fd, 0, _FILE_BYTES)
+            self._map = mmap.mmap(fd, _FILE_BYTES)
+        finally:
+            os.close(fd)
+        base = ctypes.addressof(ctypes.c_char.from_buffer(self._map))
+        self.filled, self.free = base, base + _SEM_BYTES
+        self.counts = (ctypes.c_int64 * SLOTS).from_buffer(self._map, _COUNTS)
+        self.slots = [base + _HEADER + i * SLOT_BYTES for i in range(SLOTS)]
+        self.used = 0  # slots used so far; both ends count alike
+        if create:
+            _lib.sem_init(self.filled, 1, 0)
+            _lib.sem_init(self.free, 1, SLOTS)
+
+
+class _Stream:
+    """The bytes of a list of contiguous tensors, back to back, moved a slot at a time."""
+
+    def __init__(self, tensors):
+        self.pieces = []
+        for t in tensors:
+            ptr, size = t.data_ptr(), t.numel() * t.element_size()
+            if self.pieces and self.pieces[-1][0] + self.pieces[-1][1] == ptr:  # (an all-gather's pieces of
+                self.pieces[-1][1] += size                                     # the flat shard: one copy)
+            elif size:
+                self.pieces.append([ptr, size])
+        self.left = sum(n for _, n in self.pieces)
+        self.index = self.done = 0  # the piece under way, and its bytes moved
+
+    def move(self, slot, nbytes, into_slot):
+        """Copy the next `nbytes` into the slot at address `slot`, or out of it."""
+        self.left -= nbytes
+        at = 0
+        while at < nbytes:
+            ptr, size = self.pieces[self.index]
+            n = min(size - self.done, nbytes - at)
+            if into_slot:
+                ctypes.memmove(slot + at, ptr + self.done, n)
+            else:
+                ctypes.memmove(ptr + self.done, slot + at, n)
+            at += n
+            self.done += n
+            if self.done == size:
+                self.index, self.done = self.index + 1, 0
+
+
+class Channels:
+    """A rank's channels to and from every peer of one group."""
+
+    def __init__(self, outgoing, incoming, pids, timeout_s):
+        self.outgoing, self.incoming, self.pids, self.timeout_s = outgoing, incoming, pids, timeout_s
+
+    def transfer(self, sends, recvs):
+        """Move one exchange: (peer, tensor) pairs to send and to receive, in an order both ends share."""
+        outs = {p: _Stream([t for q, t in sends if q == p]) for p in self.outgoing}
+        ins = {p: _Stream([t for q, t in recvs if q == p]) for p in self.incoming}
+        self._send_a_slot(outs)  # one slot ahead, so both slots of a channel are in use
+        while any(s.left for s in ins.values()) or any(s.left for s in outs.values()):
+            self._send_a_slot(outs)
+            for peer, stream in ins.items():
+                if stream.left:
+                    self._receive_a_slot(peer, stream)
+
+    def _send_a_slot(self, outs):
+        for peer, stream in outs.items():
+            if stream.left:
+                channel, n = self.outgoing[peer], min(SLOT_BYTES, stream.left)
+                self._wait(channel.free, peer)
+                slot = channel.used % SLOTS
+                stream.move(channel.slots[slot], n, into_slot=True)
+                channel.counts[slot] = n
+                channel.used += 1
+                _lib.sem_post(channel.filled)
+
+    def _receive_a_slot(self, peer, stream):
+        channel, n = self.incoming[peer], min(SLOT_BYTES, stream.left)
+        self._wait(channel.filled, peer)
+        slot = channel.used % SLOTS
+        if channel.counts[slot] != n:
+            raise RuntimeError(f"fsdp_impl: rank {peer} of the group sent {channel.counts[slot]} bytes where "
+                               f"{n} were expected: the ranks issued different collectives")
+        stream.move(channel.slots[slot], n, into_slot=False)
+        channel.used += 1
+        _lib.sem_post(channel.free)
+
+    def _wait(self, semaphore, peer):
+        """Wait on a semaphore the peer posts, a second at a time: a peer that exited, or one silent
+        for longer than the group's timeout, is an error here (as a gloo message's wait would be)."""
+        start = time.monotonic()
+        while True:
+            deadline = _Timespec(*divmod(time.time_ns() + 10**9, 10**9))
+            if _lib.sem_timedwait(semaphore, ctypes.byref(deadline)) == 0:
+                return
+            err = ctypes.get_errno()
+            if err == errno.EINTR:
+                continue
+            if err != errno.ETIMEDOUT:
+                raise OSError(err, f"fsdp_impl: waiting on shared memory: {os.strerror(err)}")
+            if not _alive(self.pids[peer]):
+                raise RuntimeError(f"fsdp_impl: rank {peer} of the group exited in the middle of an exchange")
+            if time.monotonic() - start > self.timeout_s:
+                raise RuntimeError(f"fsdp_impl: timed out after {self.timeout_s:.0f} s waiting for rank {peer} of the "
+                                   "group in an exchange (the process group's timeout)")
+
+
+def _swap(values, peers, group, tag):
+    """Send `values` (ints) to every peer and receive each peer's: {peer: [ints]}."""
+    mine = torch.tensor(values, dtype=torch.int64)
+    theirs = {p: torch.empty_like(mine) for p in peers}
+    works = [dist.isend(mine, dist.get_global_rank(group, p), group=group, tag=tag) for p in peers]
+    works += [dist.irecv(theirs[p], dist.get_global_rank(group, p), group=group, tag=tag) for p in peers]
+    for work in works:
+        work.wait()
+    return {p: t.tolist() for p, t in theirs.items()}
+
+
+def _timeout_s(group):
+    try:
+        return group._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+    except (AttributeError, RuntimeError):  # (private: the default where it is not there)
+        return getattr(dist, "default_pg_timeout", timedelta(minutes=30)).total_seconds()
+
+
+def connect(group, tag, wanted=True):
+    """Channels to and from every peer of `group`, or None if any rank of it cannot use them (another
+    host, no /dev/shm, `wanted` False on some rank). Every rank of the group calls it, in the same
+    place of its sequence of exchanges; it sends two small gloo messages to each peer."""
+    me, pid, token = group.rank(), os.getpid(), secrets.randbits(62)
+    peers = [p for p in range(group.size()) if p != me]
+    able = wanted and _lib is not None
+    outgoing = {}
+    try:
+        if able:
+            for p in peers:
+                outgoing[p] = _Channel(_path(pid, token, p), create=True)
+    except OSError:
+        able = False
+    found = _swap([pid, token, int(able)], peers, group, tag)
+    incoming = {}
+    if able and all(ok for _, _, ok in found.values()):
+        try:
+            for p, (peer_pid, peer_token, _) in found.items():
+                incoming[p] = _Channel(_path(peer_pid, peer_token, me), create=False)
+                if not _alive(peer_pid):  # (its files are here, its process is not seen: another PID namespace)
+                    raise OSError(errno.ESRCH, "peer not seen")
+        except OSError:  # (another host: its files are not here)
+            incoming = {}
+    opened = len(incoming) == len(peers)
+    agreed = _swap([int(opened)], peers, group, tag)
+    for p in outgoing:  # every peer has opened its file, or given up: the names can go
+        os.unlink(_path(pid, token, p))
+    if not (opened and all(ok for (ok,) in agreed.values())):
+        return None
+    return Channels(outgoing, incoming, {p: found[p][0] for p in peers}, _timeout_s(group))

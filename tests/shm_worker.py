@@ -1,0 +1,106 @@
+"""
+fsdp_impl.shm between real processes, launched by tests/test_shm.py through tests/spawn.py at 2 and
+3 ranks. Each scenario runs on a fresh group; rank 0 writes every rank's findings as JSON.
+
+    python tests/spawn.py W tests/shm_worker.py OUT.json
+"""
+import glob
+import json
+import os
+import sys
+import time
+import traceback
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from fsdp_impl import comm, shm  # noqa: E402
+
+TAG = comm.TAGS["all_gather"]
+SLOT = shm.SLOT_BYTES
+
+
+def stream(sender, receiver, numel=None):
+    """What `sender` sends `receiver`: tensors of assorted sizes and dtypes (empty ones, single
+    elements, and some that cross the slots' boundaries), a different length each way. By default
+    it starts with pieces of one buffer, back to back as an all-gather's pieces of a flat shard
+    are (copied as one piece)."""
+    g = torch.Generator().manual_seed(1000 * sender + receiver)
+    if numel:
+        return [torch.randint(0, 200, (n,), generator=g).float() for n in numel]
+    joined = [3, 0, SLOT // 4 + 5, 1, SLOT // 8]  # float32 elements: 1.4 slots in all
+    sizes = [0, 1, 7, 3 * SLOT // 16 + 3, 5, SLOT // 4, 2 * SLOT // 4 + 1, 0, 1000, 13 * (sender + 1)]
+    dtypes = (torch.float32, torch.bfloat16, torch.int64, torch.uint8)
+    return (list(torch.randint(0, 200, (sum(joined),), generator=g).float().split(joined))
+            + [torch.randint(0, 200, (n,), generator=g).to(dtypes[i % len(dtypes)]) for i, n in enumerate(sizes)])
+
+
+def exchange(channels, me, peers, numel=None, expected_from=None):
+    """One transfer of the streams above; True if every received tensor is the sender's, bit for bit."""
+    sends = [(p, t) for p in peers for t in stream(me, p, numel)]
+    expected = [(p, t) for p in peers for t in stream(p, me, (expected_from or {}).get(p, numel))]
+    recvs = [(p, torch.full_like(t, 255)) for p, t in expected]
+    channels.transfer(sends, recvs)
+    return all(torch.equal(r, e) for (_, r), (_, e) in zip(recvs, expected))
+
+
+def attempt(fn):
+    try:
+        return fn()
+    except Exception as e:
+        return {"raised": type(e).__name__, "message": str(e), "traceback": traceback.format_exc()}
+
+
+def main():
+    out_path = sys.argv[1]
+    dist.init_process_group("gloo")
+    world, rank = dist.get_world_size(), dist.get_rank()
+    peers = [p for p in range(world) if p != rank]
+    mine = {}
+
+    group = dist.new_group(list(range(world)))
+    channels = shm.connect(group, TAG)
+    mine["connected"] = channels is not None
+    mine["files_left"] = glob.glob(f"/dev/shm/fsdp_impl-{os.getpid()}-*")
+    mine["bytes_match"] = [attempt(lambda: exchange(channels, rank, peers)) for _ in range(3)]  # slots reused
+
+    group = dist.new_group(list(range(world)))  # a rank without it: the whole group keeps gloo's messages
+    mine["one_rank_unwilling"] = shm.connect(group, TAG, wanted=rank != world - 1) is None
+
+    group = dist.new_group(list(range(world)))  # rank 0 sends fewer bytes than its peers expect
+    channels = shm.connect(group, TAG)
+    short = {0: [100]} if rank != 0 else None
+    mine["size_mismatch"] = attempt(lambda: exchange(channels, rank, peers, numel=[96], expected_from=short))
+
+    group = dist.new_group(list(range(world)))  # the last rank starts late, past rank 0's timeout
+    channels = shm.connect(group, TAG)
+    channels.timeout_s = 2.0
+    dist.barrier()
+    if rank == world - 1:
+        time.sleep(6.0)
+    start = time.monotonic()
+    mine["silent_peer"] = attempt(lambda: exchange(channels, rank, peers, numel=[10]))
+    mine["silent_peer_s"] = time.monotonic() - start
+
+    group = dist.new_group(list(range(world)))  # the last rank exits in the middle of an exchange
+    survivors = dist.new_group(list(range(world - 1)))
+    channels = shm.connect(group, TAG)
+    dist.barrier()
+    if rank == world - 1:
+        os._exit(0)  # (exit code 0: tests/spawn.py lets the others finish)
+    start = time.monotonic()
+    mine["peer_exited"] = attempt(lambda: exchange(channels, rank, peers, numel=[10]))
+    mine["peer_exited_s"] = time.monotonic() - start
+
+    everyone = [None] * (world - 1)
+    dist.all_gather_object(everyone, mine, group=survivors)
+    if rank == 0:
+        with open(out_path + ".tmp", "w") as f:
+            json.dump({"world": world, "ranks": everyone}, f, indent=1)
+        os.replace(out_path + ".tmp", out_path)
+    os._exit(0)  # (a member of the default group is gone: no teardown)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,85 @@
+"""
+fsdp_impl.shm: the shared-memory channels that carry fsdp_impl's exchanges between the ranks of one
+host (tests/shm_worker.py at 2 and 3 ranks). That training through them gives FSDP2's bits is
+tests/test_fsdp_impl.py's parity suite, which runs on them by default; its `gloo_messages` mode keeps
+gloo's messages there.
+"""
+import json
+
+import pytest
+
+from conftest import REPO, launch, launcher, losses, run_train
+
+WORKER = REPO / "tests" / "shm_worker.py"
+_reports = {}
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory):
+    def get(world):
+        if world not in _reports:
+            out = tmp_path_factory.mktemp("shm") / f"w{world}.json"
+            res = launch(launcher(world) + [WORKER, out], timeout=240)
+            assert res.returncode == 0 and out.exists(), res.describe()
+            _reports[world] = json.loads(out.read_text())["ranks"]
+        return _reports[world]
+    return get
+
+
+WORLDS = (2, 3)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_streams_arrive_bit_for_bit_and_the_files_are_gone(report, world):
+    """Mixed dtypes, empty and one-element tensors, tensors crossing the 1 MB slots' boundaries,
+    pieces of one buffer back to back (copied as one), a different length each way, three exchanges
+    in a row (the slots are reused); once connected, no rank's channel files are left in /dev/shm."""
+    for rank, r in enumerate(report(world)):
+        assert r["connected"], (rank, r)
+        assert r["bytes_match"] == [True, True, True], (rank, r["bytes_match"])
+        assert r["files_left"] == [], (rank, r)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_a_group_keeps_gloo_messages_unless_every_rank_can_share(report, world):
+    assert all(r["one_rank_unwilling"] for r in report(world))
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_ranks_that_issue_different_collectives_get_an_error_not_wrong_bytes(report, world):
+    """Rank 0 sends 96 floats where its peers expect 100: each peer says so; rank 0 gets what they sent."""
+    ranks = report(world)
+    assert ranks[0]["size_mismatch"] is True, ranks[0]["size_mismatch"]
+    for r in ranks[1:]:
+        raised = r["size_mismatch"]
+        assert raised["raised"] == "RuntimeError", raised
+        assert "rank 0 of the group sent 384 bytes where 400 were expected" in raised["message"], raised
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_a_silent_peer_is_an_error_after_the_groups_timeout(report, world):
+    for r in report(world):  # (the late rank itself exits in the next scenario and reports nothing)
+        raised = r["silent_peer"]
+        assert raised["raised"] == "RuntimeError" and "timed out after 2 s waiting for rank" in raised["message"], raised
+        assert 2.0 <= r["silent_peer_s"] < 5.9, r["silent_peer_s"]
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_a_peer_that_exits_mid_exchange_is_an_error_within_seconds(report, world):
+    for r in report(world):
+        raised = r["peer_exited"]
+        assert raised["raised"] == "RuntimeError", raised
+        assert f"rank {world - 1} of the group exited in the middle of an exchange" in raised["message"], raised
+        assert r["peer_exited_s"] < 10, r["peer_exited_s"]  # (a second per look; the group's timeout is 30 min)
+
+
+def test_training_through_shared_memory_or_gloo_messages_gives_the_same_bits(tiny_args, tmp_path):
+    """custom_fsdp at two ranks: train.py's shared_memory setting changes how the bytes travel, not
+    what arrives."""
+    runs = {}
+    for on in (True, False):
+        out = tmp_path / f"shm_{on}"
+        res = run_train(out, 2, *tiny_args, "--max_iters=4", "--dist_backend=custom_fsdp", f"--shared_memory={on}")
+        assert res.returncode == 0, res.describe()
+        runs[on] = losses(out)
+    assert runs[True] == runs[False] and len(runs[True]) >= 4, runs
