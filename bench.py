@@ -214,7 +214,10 @@ def sweep(args, extra):
 
 def comm_worker(sizes_mb):
     """Under torchrun: time all-gather and reduce-scatter (the library's and fsdp_impl's) and
-    all-reduce (DDP's) by message size (MB of the full buffer) on this process group."""
+    all-reduce (DDP's) by message size (MB of the full buffer) on this process group, and rank 0's
+    process CPU time (every thread) per call. On CPU fsdp_impl's exchanges run twice: as it runs
+    them here (shared memory between processes of one machine) and with gloo's messages (`_msgs`,
+    its shared_memory=False, the way between machines)."""
     import torch
     import torch.distributed as dist
     from fsdp_impl import comm
@@ -223,32 +226,41 @@ def comm_worker(sizes_mb):
     dist.init_process_group("nccl" if cuda else "gloo")
     w, rank = dist.get_world_size(), dist.get_rank()
     device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if cuda else torch.device("cpu")
+    groups = {"": dist.group.WORLD}
+    if not cuda:  # the same ranks again, connected with shared memory off (read at a group's first exchange)
+        groups["_msgs"] = dist.new_group()
+        comm.shared_memory = False
+        comm.all_gather([torch.zeros(w, 1)], [torch.zeros(1)], groups["_msgs"]).wait()
+        comm.shared_memory = True
     rows = []
     for mb in sizes_mb:
         numel = mb * 2**20 // 4
         full = torch.zeros(numel - numel % w, device=device)
         shard = torch.zeros(full.numel() // w, device=device)
         # (name, run it, bytes moved per rank as a fraction of the full buffer: bus bandwidth)
-        ops = (("all_gather", lambda: comm.library_collective("all_gather_single")(full, shard), (w - 1) / w),
-               ("ag_fsdp_impl", lambda: comm.all_gather([full.view(w, -1)], [shard], dist.group.WORLD).wait(),
-                (w - 1) / w),
-               ("reduce_scatter", lambda: comm.library_collective("reduce_scatter_single")(
-                   shard, full, op=dist.ReduceOp.AVG), (w - 1) / w),
-               ("rs_fsdp_impl", lambda: comm.reduce_scatter(shard, full, dist.group.WORLD).wait(), (w - 1) / w),
-               ("all_reduce", lambda: dist.all_reduce(full), 2 * (w - 1) / w))
+        ops = [("all_gather", lambda: comm.library_collective("all_gather_single")(full, shard), (w - 1) / w)]
+        ops += [(f"ag_fsdp_impl{tag}", lambda g=g: comm.all_gather([full.view(w, -1)], [shard], g).wait(), (w - 1) / w)
+                for tag, g in groups.items()]
+        ops += [("reduce_scatter", lambda: comm.library_collective("reduce_scatter_single")(
+            shard, full, op=dist.ReduceOp.AVG), (w - 1) / w)]
+        ops += [(f"rs_fsdp_impl{tag}", lambda g=g: comm.reduce_scatter(shard, full, g).wait(), (w - 1) / w)
+                for tag, g in groups.items()]
+        ops += [("all_reduce", lambda: dist.all_reduce(full), 2 * (w - 1) / w)]
         for name, op, moved in ops:
             op()  # warm-up
-            times = []
+            times, cpu = [], []
             for _ in range(5):
                 if cuda:
                     torch.cuda.synchronize()
-                t = time.perf_counter()
+                t, c = time.perf_counter(), time.process_time()
                 op()
                 if cuda:
                     torch.cuda.synchronize()
                 times.append(time.perf_counter() - t)
+                cpu.append(time.process_time() - c)
             dt = statistics.median(times)
-            rows.append({"op": name, "mb": mb, "ms": dt * 1e3, "busbw_gbps": full.numel() * 4 * moved / dt / 1e9})
+            rows.append({"op": name, "mb": mb, "ms": dt * 1e3, "busbw_gbps": full.numel() * 4 * moved / dt / 1e9,
+                         "cpu_ms": statistics.median(cpu) * 1e3})
     if rank == 0:
         print(json.dumps(rows))
     dist.destroy_process_group()
@@ -261,9 +273,11 @@ def bench_comm(args):
     if proc.returncode:
         raise SystemExit(f"error: comm benchmark failed:\n{proc.stderr[-3000:]}")
     rows = json.loads(proc.stdout.strip().splitlines()[-1])
-    print(f"collectives on {args.nproc} processes")
+    print(f"collectives on {args.nproc} processes (_msgs: fsdp_impl with gloo's messages, not shared memory; "
+          "CPU: rank 0's process, every thread)")
     for r in rows:
-        print(f"  {r['op']:15} {r['mb']:4d} MB: {r['ms']:9.2f} ms, bus bandwidth {r['busbw_gbps']:6.2f} GB/s")
+        print(f"  {r['op']:20} {r['mb']:4d} MB: {r['ms']:9.2f} ms, bus bandwidth {r['busbw_gbps']:6.2f} GB/s, "
+              f"CPU {r['cpu_ms']:8.2f} ms")
     return {"comm": rows}
 
 
