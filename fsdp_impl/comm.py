@@ -10,8 +10,10 @@ both the communication runs while the caller computes, until the wait.
 events (all-gather issued / waited, forward / backward of a unit, reduce-scatter issued /
 waited, free). Logging costs one `if` per event when off.
 """
+import queue
+import threading
 import weakref
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future
 from contextlib import nullcontext
 
 import torch
@@ -102,6 +104,31 @@ class _Exchange:
         pass
 
 
+class _PostingThread:
+    """One thread that runs the exchanges in the order they were issued; submit() returns a Future.
+
+    A daemon, unlike a ThreadPoolExecutor's worker, which the interpreter waits for at exit: an
+    exchange through shared memory waits for its peer, and a process whose training thread raised
+    must still exit, since its exit is how the peers learn of the failure."""
+
+    def __init__(self):
+        self.queue = queue.SimpleQueue()
+        threading.Thread(target=self._run, name="fsdp_impl-post", daemon=True).start()
+
+    def submit(self, fn, *args):
+        future = Future()
+        self.queue.put((future, fn, args))
+        return future
+
+    def _run(self):
+        while True:
+            future, fn, args = self.queue.get()
+            try:
+                future.set_result(fn(*args))
+            except BaseException as e:  # (the caller's wait() raises it)
+                future.set_exception(e)
+
+
 _poster = None  # the posting thread (see exchange), started by the first exchange
 # False: the exchanges keep gloo's messages even where the ranks share a host (read at a group's
 # first exchange; train.py's shared_memory setting)
@@ -134,7 +161,7 @@ def exchange(kind, nbytes, sends, recvs, group):
     global _poster
     ledger.count(kind, nbytes)
     if _poster is None:
-        _poster = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fsdp_impl-post")
+        _poster = _PostingThread()
     return _poster.submit(_post, kind, sends, recvs, group)
 
 

@@ -12,8 +12,10 @@ out and posts `free`. That is two memcpys per byte, and no socket.
 An exchange is, for every peer, the tensors to send it and the tensors to receive from it, read as
 one stream of bytes each way. Both ends agree on their sizes, as they do for gloo's messages. The
 posting thread runs the exchanges one at a time, in the order they were issued. Every rank issues
-the same collectives in the same order (NCCL asks the same of FSDP2), so both ends of a channel
-walk through its slots in the same order.
+the same collectives in the same order (NCCL asks the same of FSDP2; across groups too, since one
+thread runs them all), so both ends of a channel walk through its slots in the same order. Each
+slot carries its exchange's number and size, which the receiver checks: ranks that issued
+different collectives get an error, not each other's bytes.
 
 The ranks connect at their first exchange on a group, with gloo messages (connect). A group uses
 shared memory only if every rank of it can open every peer's channel files, which means one host.
@@ -34,7 +36,7 @@ import torch.distributed as dist
 
 SLOTS, SLOT_BYTES = 2, 1 << 20  # 1 MB: smaller or larger slots measured slower (IMPLEMENTATION.md)
 _SEM_BYTES = 64  # room for one sem_t (32 bytes on 64-bit glibc)
-_COUNTS = 2 * _SEM_BYTES  # then one int64 per slot: the bytes in it, which the receiver checks
+_LABELS = 2 * _SEM_BYTES  # then two int64 per slot: its exchange's number and size, which the receiver checks
 _HEADER = 4096  # the slots start on a page of their own
 _FILE_BYTES = _HEADER + SLOTS * SLOT_BYTES
 
@@ -61,13 +63,22 @@ def _path(pid, token, receiver):
     return f"/dev/shm/fsdp_impl-{pid}-{token:x}-{receiver}"
 
 
-def _alive(pid):
-    """Whether process `pid` still runs (a zombie, dead but not yet reaped by its parent, does not)."""
+def _started(pid):
+    """When process `pid` started (clock ticks since boot), or None if it is gone; a zombie, dead but
+    not yet reaped by its parent, counts as gone. With the pid it names one process: a peer in
+    another PID namespace, whose pid here is some other process or none, does not match."""
     try:
         with open(f"/proc/{pid}/stat") as f:
-            return f.read().rpartition(")")[2].split()[0] not in "ZX"
+            fields = f.read().rpartition(")")[2].split()
     except FileNotFoundError:
-        return False
+        return None
+    return None if fields[0] in "ZX" else int(fields[19])
+
+
+def _check(result, what):
+    if result != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"fsdp_impl: {what}: {os.strerror(err)}")
 
 
 class _Channel:
@@ -79,16 +90,20 @@ class _Channel:
             if create:  # (reserves the pages: a full /dev/shm fails here, not with SIGBUS on a write)
                 os.posix_fallocate(fd, 0, _FILE_BYTES)
             self._map = mmap.mmap(fd, _FILE_BYTES)
+            base = ctypes.addressof(ctypes.c_char.from_buffer(self._map))
+            self.filled, self.free = base, base + _SEM_BYTES
+            if create:
+                _check(_lib.sem_init(self.filled, 1, 0), "sem_init")
+                _check(_lib.sem_init(self.free, 1, SLOTS), "sem_init")
+        except OSError:
+            if create:
+                os.unlink(path)
+            raise
         finally:
             os.close(fd)
-        base = ctypes.addressof(ctypes.c_char.from_buffer(self._map))
-        self.filled, self.free = base, base + _SEM_BYTES
-        self.counts = (ctypes.c_int64 * SLOTS).from_buffer(self._map, _COUNTS)
+        self.labels = (ctypes.c_int64 * (2 * SLOTS)).from_buffer(self._map, _LABELS)
         self.slots = [base + _HEADER + i * SLOT_BYTES for i in range(SLOTS)]
         self.used = 0  # slots used so far; both ends count alike
-        if create:
-            _lib.sem_init(self.filled, 1, 0)
-            _lib.sem_init(self.free, 1, SLOTS)
 
 
 class _Stream:
@@ -97,12 +112,14 @@ class _Stream:
     def __init__(self, tensors):
         self.pieces = []
         for t in tensors:
+            if not t.is_contiguous():  # (gloo's isend refuses them too)
+                raise ValueError("fsdp_impl: an exchange's tensors must be contiguous")
             ptr, size = t.data_ptr(), t.numel() * t.element_size()
             if self.pieces and self.pieces[-1][0] + self.pieces[-1][1] == ptr:  # (an all-gather's pieces of
                 self.pieces[-1][1] += size                                     # the flat shard: one copy)
             elif size:
                 self.pieces.append([ptr, size])
-        self.left = sum(n for _, n in self.pieces)
+        self.total = self.left = sum(n for _, n in self.pieces)
         self.index = self.done = 0  # the piece under way, and its bytes moved
 
     def move(self, slot, nbytes, into_slot):
@@ -125,41 +142,53 @@ class _Stream:
 class Channels:
     """A rank's channels to and from every peer of one group."""
 
-    def __init__(self, outgoing, incoming, pids, timeout_s):
-        self.outgoing, self.incoming, self.pids, self.timeout_s = outgoing, incoming, pids, timeout_s
+    def __init__(self, outgoing, incoming, peers, timeout_s):
+        self.outgoing, self.incoming, self.timeout_s = outgoing, incoming, timeout_s
+        self.peers = peers  # {peer: (pid, start time)}: the processes whose exit is an error
+        self.exchanges = 0  # exchanges so far; every rank of the group counts alike
+        self.failed = None  # the error that left the channels out of step: later exchanges raise at once
 
     def transfer(self, sends, recvs):
         """Move one exchange: (peer, tensor) pairs to send and to receive, in an order both ends share."""
+        if self.failed is not None:
+            raise RuntimeError("fsdp_impl: an earlier exchange on this group failed") from self.failed
+        self.exchanges += 1
         outs = {p: _Stream([t for q, t in sends if q == p]) for p in self.outgoing}
         ins = {p: _Stream([t for q, t in recvs if q == p]) for p in self.incoming}
-        self._send_a_slot(outs)  # one slot ahead, so both slots of a channel are in use
-        while any(s.left for s in ins.values()) or any(s.left for s in outs.values()):
-            self._send_a_slot(outs)
-            for peer, stream in ins.items():
-                if stream.left:
-                    self._receive_a_slot(peer, stream)
+        try:
+            self._send_a_slot(outs)  # one slot ahead, so both slots of a channel are in use
+            while any(s.left for s in ins.values()) or any(s.left for s in outs.values()):
+                self._send_a_slot(outs)
+                for peer, stream in ins.items():
+                    if stream.left:
+                        self._receive_a_slot(peer, stream)
+        except BaseException as e:
+            self.failed = e
+            raise
 
     def _send_a_slot(self, outs):
         for peer, stream in outs.items():
             if stream.left:
-                channel, n = self.outgoing[peer], min(SLOT_BYTES, stream.left)
+                channel = self.outgoing[peer]
                 self._wait(channel.free, peer)
                 slot = channel.used % SLOTS
-                stream.move(channel.slots[slot], n, into_slot=True)
-                channel.counts[slot] = n
+                channel.labels[2 * slot], channel.labels[2 * slot + 1] = self.exchanges, stream.total
+                stream.move(channel.slots[slot], min(SLOT_BYTES, stream.left), into_slot=True)
                 channel.used += 1
-                _lib.sem_post(channel.filled)
+                _check(_lib.sem_post(channel.filled), "sem_post")
 
     def _receive_a_slot(self, peer, stream):
-        channel, n = self.incoming[peer], min(SLOT_BYTES, stream.left)
+        channel = self.incoming[peer]
         self._wait(channel.filled, peer)
         slot = channel.used % SLOTS
-        if channel.counts[slot] != n:
-            raise RuntimeError(f"fsdp_impl: rank {peer} of the group sent {channel.counts[slot]} bytes where "
-                               f"{n} were expected: the ranks issued different collectives")
-        stream.move(channel.slots[slot], n, into_slot=False)
+        sent = channel.labels[2 * slot], channel.labels[2 * slot + 1]
+        if sent != (self.exchanges, stream.total):
+            raise RuntimeError(f"fsdp_impl: rank {peer} of the group sent {sent[1]} bytes in its exchange {sent[0]} "
+                               f"where this rank expects {stream.total} in its exchange {self.exchanges}: the "
+                               "ranks issued different collectives")
+        stream.move(channel.slots[slot], min(SLOT_BYTES, stream.left), into_slot=False)
         channel.used += 1
-        _lib.sem_post(channel.free)
+        _check(_lib.sem_post(channel.free), "sem_post")
 
     def _wait(self, semaphore, peer):
         """Wait on a semaphore the peer posts, a second at a time: a peer that exited, or one silent
@@ -174,7 +203,7 @@ class Channels:
                 continue
             if err != errno.ETIMEDOUT:
                 raise OSError(err, f"fsdp_impl: waiting on shared memory: {os.strerror(err)}")
-            if not _alive(self.pids[peer]):
+            if _started(self.peers[peer][0]) != self.peers[peer][1]:
                 raise RuntimeError(f"fsdp_impl: rank {peer} of the group exited in the middle of an exchange")
             if time.monotonic() - start > self.timeout_s:
                 raise RuntimeError(f"fsdp_impl: timed out after {self.timeout_s:.0f} s waiting for rank {peer} of the "
@@ -202,31 +231,34 @@ def _timeout_s(group):
 def connect(group, tag, wanted=True):
     """Channels to and from every peer of `group`, or None if any rank of it cannot use them (another
     host, no /dev/shm, `wanted` False on some rank). Every rank of the group calls it, in the same
-    place of its sequence of exchanges; it sends two small gloo messages to each peer."""
+    place of its sequence of exchanges; it sends three small gloo messages to each peer: who it is
+    (and whether it can), whether it made its files, whether it opened its peers'."""
     me, pid, token = group.rank(), os.getpid(), secrets.randbits(62)
     peers = [p for p in range(group.size()) if p != me]
     able = wanted and _lib is not None
-    outgoing = {}
+    found = _swap([pid, _started(pid) or 0, token, int(able)], peers, group, tag)  # every rank is here now
+    if not (able and all(ok for *_, ok in found.values())):
+        return None
+    outgoing, incoming = {}, {}
     try:
-        if able:
+        try:
             for p in peers:
                 outgoing[p] = _Channel(_path(pid, token, p), create=True)
-    except OSError:
-        able = False
-    found = _swap([pid, token, int(able)], peers, group, tag)
-    incoming = {}
-    if able and all(ok for _, _, ok in found.values()):
-        try:
-            for p, (peer_pid, peer_token, _) in found.items():
-                incoming[p] = _Channel(_path(peer_pid, peer_token, me), create=False)
-                if not _alive(peer_pid):  # (its files are here, its process is not seen: another PID namespace)
-                    raise OSError(errno.ESRCH, "peer not seen")
-        except OSError:  # (another host: its files are not here)
-            incoming = {}
-    opened = len(incoming) == len(peers)
-    agreed = _swap([int(opened)], peers, group, tag)
-    for p in outgoing:  # every peer has opened its file, or given up: the names can go
-        os.unlink(_path(pid, token, p))
-    if not (opened and all(ok for (ok,) in agreed.values())):
+        except OSError:  # (a full /dev/shm, say)
+            pass
+        made = _swap([int(len(outgoing) == len(peers))], peers, group, tag)
+        if len(outgoing) == len(peers) and all(ok for (ok,) in made.values()):
+            try:
+                for p, (peer_pid, peer_start, peer_token, _) in found.items():
+                    if _started(peer_pid) != peer_start:  # (its files are here, its process is not seen)
+                        raise OSError(errno.ESRCH, "peer not seen")
+                    incoming[p] = _Channel(_path(peer_pid, peer_token, me), create=False)
+            except OSError:  # (another host: its files are not here)
+                incoming = {}
+        opened = _swap([int(len(incoming) == len(peers))], peers, group, tag)
+    finally:  # every peer has opened this rank's files, or given up, or failed: the names can go
+        for p in outgoing:
+            os.unlink(_path(pid, token, p))
+    if len(incoming) < len(peers) or not all(ok for (ok,) in opened.values()):
         return None
-    return Channels(outgoing, incoming, {p: found[p][0] for p in peers}, _timeout_s(group))
+    return Channels(outgoing, incoming, {p: (found[p][0], found[p][1]) for p in peers}, _timeout_s(group))

@@ -3,13 +3,20 @@ fsdp_impl.shm between real processes, launched by tests/test_shm.py through test
 3 ranks. Each scenario runs on a fresh group; rank 0 writes every rank's findings as JSON.
 
     python tests/spawn.py W tests/shm_worker.py OUT.json
+    python tests/spawn.py 2 tests/shm_worker.py --raise-while-exchanging
+
+The second raises on rank 0 while an exchange through shared memory waits for rank 1, which never
+joins it: rank 0 must still exit (tests/test_shm.py times the launch).
 """
+import errno
 import glob
 import json
 import os
 import sys
 import time
 import traceback
+from contextlib import nullcontext
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -52,7 +59,21 @@ def attempt(fn):
         return {"raised": type(e).__name__, "message": str(e), "traceback": traceback.format_exc()}
 
 
+def raise_while_exchanging():
+    dist.init_process_group("gloo")
+    group, rank = dist.group.WORLD, dist.get_rank()
+    full, piece = torch.zeros(2, 4), torch.zeros(4)
+    comm.all_gather([full], [piece], group).wait()  # both ranks: connected through shared memory
+    dist.barrier()
+    if rank == 0:
+        comm.all_gather([full], [piece], group)  # waits for rank 1 on the posting thread, for ever
+        raise RuntimeError("rank 0 failed with an exchange in flight")
+    time.sleep(120)  # rank 1 is busy elsewhere; tests/spawn.py stops it once rank 0 has exited
+
+
 def main():
+    if sys.argv[1] == "--raise-while-exchanging":
+        return raise_while_exchanging()
     out_path = sys.argv[1]
     dist.init_process_group("gloo")
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -68,10 +89,25 @@ def main():
     group = dist.new_group(list(range(world)))  # a rank without it: the whole group keeps gloo's messages
     mine["one_rank_unwilling"] = shm.connect(group, TAG, wanted=rank != world - 1) is None
 
+    group = dist.new_group(list(range(world)))  # /dev/shm is full on the last rank: nobody uses it, no file is left
+    full = OSError(errno.ENOSPC, "No space left on device")
+    with mock.patch.object(os, "posix_fallocate", side_effect=full) if rank == world - 1 else nullcontext():
+        mine["dev_shm_full"] = shm.connect(group, TAG) is None
+    mine["files_left_after_full"] = glob.glob(f"/dev/shm/fsdp_impl-{os.getpid()}-*")
+
     group = dist.new_group(list(range(world)))  # rank 0 sends fewer bytes than its peers expect
     channels = shm.connect(group, TAG)
     short = {0: [100]} if rank != 0 else None
     mine["size_mismatch"] = attempt(lambda: exchange(channels, rank, peers, numel=[96], expected_from=short))
+
+    group = dist.new_group(list(range(world)))  # the same 3 MB in all, cut into other exchanges by rank 0
+    channels = shm.connect(group, TAG)
+    mb = SLOT // 4  # float32 elements in 1 MB
+    first = [2 * mb] if rank == 0 else [3 * mb]  # (rank 0 would send its last 1 MB in a second exchange)
+    mine["other_cuts"] = attempt(lambda: exchange(channels, rank, peers, numel=first))
+    start = time.monotonic()
+    mine["after_a_failure"] = attempt(lambda: exchange(channels, rank, peers, numel=[10]))
+    mine["after_a_failure_s"] = time.monotonic() - start
 
     group = dist.new_group(list(range(world)))  # the last rank starts late, past rank 0's timeout
     channels = shm.connect(group, TAG)

@@ -5,6 +5,7 @@ tests/test_fsdp_impl.py's parity suite, which runs on them by default; its `gloo
 gloo's messages there.
 """
 import json
+import time
 
 import pytest
 
@@ -42,7 +43,11 @@ def test_streams_arrive_bit_for_bit_and_the_files_are_gone(report, world):
 
 @pytest.mark.parametrize("world", WORLDS)
 def test_a_group_keeps_gloo_messages_unless_every_rank_can_share(report, world):
-    assert all(r["one_rank_unwilling"] for r in report(world))
+    """One rank with shared_memory off, or one whose /dev/shm is full: the whole group keeps gloo's
+    messages, and the files the others made are gone."""
+    for r in report(world):
+        assert r["one_rank_unwilling"] and r["dev_shm_full"], r
+        assert r["files_left_after_full"] == [], r
 
 
 @pytest.mark.parametrize("world", WORLDS)
@@ -53,7 +58,21 @@ def test_ranks_that_issue_different_collectives_get_an_error_not_wrong_bytes(rep
     for r in ranks[1:]:
         raised = r["size_mismatch"]
         assert raised["raised"] == "RuntimeError", raised
-        assert "rank 0 of the group sent 384 bytes where 400 were expected" in raised["message"], raised
+        assert "rank 0 of the group sent 384 bytes in its exchange 1 where this rank expects 400" in raised["message"]
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_the_same_bytes_cut_into_other_exchanges_are_an_error_and_the_group_stays_failed(report, world):
+    """Rank 0 sends 2 MB and then 1 MB where its peers send and expect one exchange of 3 MB: every slot
+    holds 1 MB either way, and the exchange sizes the slots carry tell them apart. After the error the
+    channels are out of step, and the next exchange says so at once instead of reading stale slots."""
+    for rank, r in enumerate(report(world)):
+        raised = r["other_cuts"]
+        assert raised["raised"] == "RuntimeError" and "the ranks issued different collectives" in raised["message"], \
+            (rank, raised)
+        after = r["after_a_failure"]
+        assert after["raised"] == "RuntimeError" and "an earlier exchange on this group failed" in after["message"]
+        assert r["after_a_failure_s"] < 1.0, r["after_a_failure_s"]
 
 
 @pytest.mark.parametrize("world", WORLDS)
@@ -71,6 +90,16 @@ def test_a_peer_that_exits_mid_exchange_is_an_error_within_seconds(report, world
         assert raised["raised"] == "RuntimeError", raised
         assert f"rank {world - 1} of the group exited in the middle of an exchange" in raised["message"], raised
         assert r["peer_exited_s"] < 10, r["peer_exited_s"]  # (a second per look; the group's timeout is 30 min)
+
+
+def test_a_rank_that_raises_with_an_exchange_in_flight_still_exits():
+    """Rank 0 raises while an exchange through shared memory waits on its posting thread for rank 1,
+    which never joins it. The process must exit (its exit is how the others learn of the failure):
+    a thread the interpreter waited for at exit held it until the group's timeout, 30 minutes here."""
+    start = time.monotonic()
+    res = launch(launcher(2) + [WORKER, "--raise-while-exchanging"], timeout=240)
+    assert res.returncode != 0 and "rank 0 failed with an exchange in flight" in res.stderr, res.describe()
+    assert time.monotonic() - start < 60, "rank 0 did not exit"
 
 
 def test_training_through_shared_memory_or_gloo_messages_gives_the_same_bits(tiny_args, tmp_path):
