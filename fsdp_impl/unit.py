@@ -312,9 +312,9 @@ class ShardedUnit:
 
     def _finish_gather(self):
         work, output, _ = self._gather
-        self._gather = None
         with profiled(f"fsdp::all_gather_wait {self.name}"), torch.no_grad():
-            work.wait()
+            work.wait()  # (if it raises, the gather stays pending: a later wait raises the same error)
+            self._gather = None
             ledger.log("all_gather_wait", self.name)
             if output is not self.flat_full:  # copy out of the rank-major all-gather buffer
                 self._full_memory = self.schedule.buffers.fill(self.flat_full)

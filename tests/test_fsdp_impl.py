@@ -582,6 +582,36 @@ def test_collectives_fall_back_to_their_older_names(monkeypatch):
     assert comm.library_collective("reduce_scatter_single") is dist.reduce_scatter_tensor
 
 
+FAILED_GATHER = """
+import torch, torch.distributed as dist, torch.nn as nn
+from fsdp_impl import comm, fully_shard
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+model = fully_shard(nn.Linear(4, 4))
+
+class Failed:
+    def wait(self):
+        raise RuntimeError("the gather failed")
+
+comm.all_gather = lambda slots, pieces, group: Failed()
+for what, call in (("forward", lambda: model(torch.ones(2, 4))), ("reset", model.reset_iter_state)):
+    try:
+        call()
+        print(what, "ok")
+    except Exception as e:
+        print(what, type(e).__name__, e)
+"""
+
+
+def test_a_failed_gather_is_the_error_a_later_reset_reports_too():
+    """An all-gather whose wait raises (a peer gone, a timeout) leaves the unit gathering: resharding
+    it later (reset_iter_state after the caught error) waits again and raises that error, not a
+    TypeError of its own."""
+    res = launch([sys.executable, "-c", FAILED_GATHER], timeout=120)
+    assert res.returncode == 0, res.describe()
+    assert res.stdout.strip().splitlines()[-2:] == ["forward RuntimeError the gather failed",
+                                                    "reset RuntimeError the gather failed"], res.stdout
+
+
 @pytest.mark.parametrize("value, expected", [(True, True), (False, False), (None, None), (4, True), (1, False)])
 def test_reshard_after_forward_takes_fsdp2s_values(value, expected):
     """FSDP2 reads an int as the group to reshard to after forward: the whole shard group is True,
