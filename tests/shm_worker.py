@@ -89,6 +89,17 @@ def main():
     group = dist.new_group(list(range(world)))  # a rank without it: the whole group keeps gloo's messages
     mine["one_rank_unwilling"] = shm.connect(group, TAG, wanted=rank != world - 1) is None
 
+    group = dist.new_group(list(range(world)))  # the last rank is on "another machine": its peers' files are not there
+    real = shm._Channel
+
+    def elsewhere(path, create):
+        if not create:
+            raise FileNotFoundError(errno.ENOENT, "No such file or directory", path)
+        return real(path, create)
+    with mock.patch.object(shm, "_Channel", elsewhere) if rank == world - 1 else nullcontext():
+        mine["another_machine"] = shm.connect(group, TAG) is None
+    mine["files_left_after_another_machine"] = glob.glob(f"/dev/shm/fsdp_impl-{os.getpid()}-*")
+
     group = dist.new_group(list(range(world)))  # /dev/shm is full on the last rank: nobody uses it, no file is left
     full = OSError(errno.ENOSPC, "No space left on device")
     with mock.patch.object(os, "posix_fallocate", side_effect=full) if rank == world - 1 else nullcontext():
