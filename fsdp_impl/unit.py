@@ -18,7 +18,8 @@ Memory layout (W ranks in the shard group, rank r):
 With one rank the shard already has the full layout: the all-gather is a copy straight into
 flat_full and the reduce-scatter is the identity (its input becomes the sharded .grads). On gloo
 (CPU) the all-gather is point-to-point messages, one per parameter and peer, each landing in its
-place in flat_full: no rank-major buffer, no copy-out.
+place in flat_full: no rank-major buffer, no copy-out (between the processes of one machine the
+same pieces pass through shared memory: comm.py, shm.py).
 
 Gradients go the other way: unsharded grads -> [W, S] (torch._chunk_cat pads each to the row
 layout above) -> one reduce-scatter (AVG) -> [S], whose pieces become the sharded DTensor .grads.
