@@ -20,7 +20,8 @@ different collectives get an error, not each other's bytes.
 The ranks connect at their first exchange on a group, with gloo messages (connect). A group uses
 shared memory only if every rank of it can open every peer's channel files, which means one host.
 Otherwise, and off Linux, the group keeps gloo's messages. The files are unlinked as soon as
-everyone has opened them, so a crash leaves nothing behind in /dev/shm.
+everyone has tried to open them, and on any error: only a process killed in those milliseconds
+leaves them in /dev/shm.
 """
 import ctypes
 import errno
@@ -29,7 +30,6 @@ import os
 import secrets
 import sys
 import time
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -210,13 +210,11 @@ class Channels:
                                    "group in an exchange (the process group's timeout)")
 
 
-def _swap(values, peers, group, tag):
+def _swap(values, peers, post):
     """Send `values` (ints) to every peer and receive each peer's: {peer: [ints]}."""
     mine = torch.tensor(values, dtype=torch.int64)
     theirs = {p: torch.empty_like(mine) for p in peers}
-    works = [dist.isend(mine, dist.get_global_rank(group, p), group=group, tag=tag) for p in peers]
-    works += [dist.irecv(theirs[p], dist.get_global_rank(group, p), group=group, tag=tag) for p in peers]
-    for work in works:
+    for work in post([(p, mine) for p in peers], [(p, theirs[p]) for p in peers]):
         work.wait()
     return {p: t.tolist() for p, t in theirs.items()}
 
@@ -225,18 +223,19 @@ def _timeout_s(group):
     try:
         return group._get_backend(torch.device("cpu")).options._timeout.total_seconds()
     except (AttributeError, RuntimeError):  # (private: the default where it is not there)
-        return getattr(dist, "default_pg_timeout", timedelta(minutes=30)).total_seconds()
+        return dist.default_pg_timeout.total_seconds()
 
 
-def connect(group, tag, wanted=True):
+def connect(group, post, wanted=True):
     """Channels to and from every peer of `group`, or None if any rank of it cannot use them (another
     host, no /dev/shm, `wanted` False on some rank). Every rank of the group calls it, in the same
-    place of its sequence of exchanges; it sends three small gloo messages to each peer: who it is
-    (and whether it can), whether it made its files, whether it opened its peers'."""
+    place of its sequence of exchanges. `post(sends, recvs)` posts gloo messages and returns their
+    works (comm.post_messages); three small ones go to each peer: who this rank is (and whether it
+    can share), whether it made its files, whether it opened its peers'."""
     me, pid, token = group.rank(), os.getpid(), secrets.randbits(62)
     peers = [p for p in range(group.size()) if p != me]
     able = wanted and _lib is not None
-    found = _swap([pid, _started(pid) or 0, token, int(able)], peers, group, tag)  # every rank is here now
+    found = _swap([pid, _started(pid), token, int(able)], peers, post)  # every rank is here now
     if not (able and all(ok for *_, ok in found.values())):
         return None
     outgoing, incoming = {}, {}
@@ -246,7 +245,7 @@ def connect(group, tag, wanted=True):
                 outgoing[p] = _Channel(_path(pid, token, p), create=True)
         except OSError:  # (a full /dev/shm, say)
             pass
-        made = _swap([int(len(outgoing) == len(peers))], peers, group, tag)
+        made = _swap([int(len(outgoing) == len(peers))], peers, post)
         if len(outgoing) == len(peers) and all(ok for (ok,) in made.values()):
             try:
                 for p, (peer_pid, peer_start, peer_token, _) in found.items():
@@ -255,7 +254,7 @@ def connect(group, tag, wanted=True):
                     incoming[p] = _Channel(_path(peer_pid, peer_token, me), create=False)
             except OSError:  # (another host: its files are not here)
                 incoming = {}
-        opened = _swap([int(len(incoming) == len(peers))], peers, group, tag)
+        opened = _swap([int(len(incoming) == len(peers))], peers, post)
     finally:  # every peer has opened this rank's files, or given up, or failed: the names can go
         for p in outgoing:
             os.unlink(_path(pid, token, p))

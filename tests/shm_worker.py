@@ -24,8 +24,12 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from fsdp_impl import comm, shm  # noqa: E402
 
-TAG = comm.TAGS["all_gather"]
 SLOT = shm.SLOT_BYTES
+
+
+def poster(group):
+    """What comm.py hands shm.connect: posting gloo messages on `group`."""
+    return lambda sends, recvs: comm.post_messages("all_gather", sends, recvs, group)
 
 
 def stream(sender, receiver, numel=None):
@@ -81,13 +85,13 @@ def main():
     mine = {}
 
     group = dist.new_group(list(range(world)))
-    channels = shm.connect(group, TAG)
+    channels = shm.connect(group, poster(group))
     mine["connected"] = channels is not None
     mine["files_left"] = glob.glob(f"/dev/shm/fsdp_impl-{os.getpid()}-*")
     mine["bytes_match"] = [attempt(lambda: exchange(channels, rank, peers)) for _ in range(3)]  # slots reused
 
     group = dist.new_group(list(range(world)))  # a rank without it: the whole group keeps gloo's messages
-    mine["one_rank_unwilling"] = shm.connect(group, TAG, wanted=rank != world - 1) is None
+    mine["one_rank_unwilling"] = shm.connect(group, poster(group), wanted=rank != world - 1) is None
 
     group = dist.new_group(list(range(world)))  # the last rank is on "another machine": its peers' files are not there
     real = shm._Channel
@@ -97,22 +101,22 @@ def main():
             raise FileNotFoundError(errno.ENOENT, "No such file or directory", path)
         return real(path, create)
     with mock.patch.object(shm, "_Channel", elsewhere) if rank == world - 1 else nullcontext():
-        mine["another_machine"] = shm.connect(group, TAG) is None
+        mine["another_machine"] = shm.connect(group, poster(group)) is None
     mine["files_left_after_another_machine"] = glob.glob(f"/dev/shm/fsdp_impl-{os.getpid()}-*")
 
     group = dist.new_group(list(range(world)))  # /dev/shm is full on the last rank: nobody uses it, no file is left
     full = OSError(errno.ENOSPC, "No space left on device")
     with mock.patch.object(os, "posix_fallocate", side_effect=full) if rank == world - 1 else nullcontext():
-        mine["dev_shm_full"] = shm.connect(group, TAG) is None
+        mine["dev_shm_full"] = shm.connect(group, poster(group)) is None
     mine["files_left_after_full"] = glob.glob(f"/dev/shm/fsdp_impl-{os.getpid()}-*")
 
     group = dist.new_group(list(range(world)))  # rank 0 sends fewer bytes than its peers expect
-    channels = shm.connect(group, TAG)
+    channels = shm.connect(group, poster(group))
     short = {0: [100]} if rank != 0 else None
     mine["size_mismatch"] = attempt(lambda: exchange(channels, rank, peers, numel=[96], expected_from=short))
 
     group = dist.new_group(list(range(world)))  # the same 3 MB in all, cut into other exchanges by rank 0
-    channels = shm.connect(group, TAG)
+    channels = shm.connect(group, poster(group))
     mb = SLOT // 4  # float32 elements in 1 MB
     first = [2 * mb] if rank == 0 else [3 * mb]  # (rank 0 would send its last 1 MB in a second exchange)
     mine["other_cuts"] = attempt(lambda: exchange(channels, rank, peers, numel=first))
@@ -121,7 +125,7 @@ def main():
     mine["after_a_failure_s"] = time.monotonic() - start
 
     group = dist.new_group(list(range(world)))  # the last rank starts late, past rank 0's timeout
-    channels = shm.connect(group, TAG)
+    channels = shm.connect(group, poster(group))
     channels.timeout_s = 2.0
     dist.barrier()
     if rank == world - 1:
@@ -132,7 +136,7 @@ def main():
 
     group = dist.new_group(list(range(world)))  # the last rank exits in the middle of an exchange
     survivors = dist.new_group(list(range(world - 1)))
-    channels = shm.connect(group, TAG)
+    channels = shm.connect(group, poster(group))
     dist.barrier()
     if rank == world - 1:
         os._exit(0)  # (exit code 0: tests/spawn.py lets the others finish)

@@ -188,10 +188,11 @@ def test_buffer_pool_reuses_unit_buffers(results, world):
 
 @pytest.mark.parametrize("world", WORLDS[1:])
 def test_gloo_exchanges_allocate_no_buffers(results, world):
-    """On gloo our all-gather (and the two-rank reduce-scatter) exchange messages point to point,
+    """On gloo our all-gather (and the two-rank reduce-scatter) exchange pieces point to point,
     straight into the caller's buffers; gloo's own collectives allocate a full-sized temporary per
     call (seen here too, which shows the probe sees such allocations). The profiler sees the
-    training thread and gloo's workers, not comm's posting thread, which only calls isend/irecv."""
+    training thread and gloo's workers, not comm's posting thread, which allocates nothing (it
+    posts gloo's messages, or copies through shared memory with memmove)."""
     m = results(world)["memory"]
     _no_error(m, "memory")
     a = m["collective_allocations"]

@@ -104,12 +104,16 @@ def test_a_rank_that_raises_with_an_exchange_in_flight_still_exits():
 
 
 def test_training_through_shared_memory_or_gloo_messages_gives_the_same_bits(tiny_args, tmp_path):
-    """custom_fsdp at two ranks: train.py's shared_memory setting changes how the bytes travel, not
-    what arrives."""
+    """custom_fsdp at two ranks: train.py's shared_memory setting changes how the bytes travel (the
+    profiled steps show shared-memory transfers, or gloo's sends, and not the other), not what arrives."""
     runs = {}
     for on in (True, False):
         out = tmp_path / f"shm_{on}"
-        res = run_train(out, 2, *tiny_args, "--max_iters=4", "--dist_backend=custom_fsdp", f"--shared_memory={on}")
+        res = run_train(out, 2, *tiny_args, "--max_iters=5", "--dist_backend=custom_fsdp", f"--shared_memory={on}",
+                        "--profile=True")
         assert res.returncode == 0, res.describe()
         runs[on] = losses(out)
-    assert runs[True] == runs[False] and len(runs[True]) >= 4, runs
+        trace = json.loads((out / "traces" / "custom_fsdp" / "rank0.json").read_text())
+        names = {e["name"] for e in trace["traceEvents"]}
+        assert ("shm:all_gather" in names, "gloo:send" in names) == (on, not on), sorted(names)[:40]
+    assert runs[True] == runs[False] and len(runs[True]) >= 5, runs
