@@ -315,7 +315,8 @@ class FSDPBackend(Backend):
         # the root keeps wte/lm_head (tied) together; None: like FSDP2's default it does not
         # reshard after forward, since backward needs it again at once
         self.fully_shard(model, **{**kwargs, "reshard_after_forward": None})
-        model.to_empty(device=self.device)
+        # offloaded shards live in CPU memory from the start (FSDP2 asks for that)
+        model.to_empty(device="cpu" if self.cfg["cpu_offload"] else self.device)
         materialize(model)
         # explicit prefetch lists, so both implementations prefetch the same units: in forward
         # the next unit, in backward the one that runs backward next ([] switches it off)

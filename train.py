@@ -322,7 +322,8 @@ def estimate_loss():
 def weights_finite(model):
     """Whether every weight is finite, on every rank (each looks at the shards it holds)."""
     local = [observe.local_tensor(p) for p in model.parameters()]
-    finite = torch.stack([torch.isfinite(t).all() for t in local]).all().to(device, torch.float32)
+    # (.to: under cpu_offload the shards are in CPU memory, a gathered root's parameters on the GPU)
+    finite = torch.stack([torch.isfinite(t).all().to(device) for t in local]).all().to(torch.float32)
     if world_size > 1:
         dist.all_reduce(finite, op=dist.ReduceOp.MIN)
     return bool(finite.item())

@@ -16,6 +16,7 @@ Schedule: the root's view of a training step, shared by all units under one root
 - Gathered parameters never outlive an optimizer step, which changes the shards they copy: a
   prefetch nobody used, or a unit left unsharded, is dropped before any step (a global hook).
 """
+import functools
 import weakref
 
 import torch
@@ -108,6 +109,12 @@ class Schedule:
         if _step_hook is None:
             _step_hook = register_optimizer_step_pre_hook(_reshard_before_optimizer_step)
 
+    @functools.cached_property
+    def offload_streams(self):
+        """CUDA streams (copy-in, copy-out) for offloaded units: the copies between CPU and GPU
+        memory run beside the compute stream's kernels, so prefetch hides them."""
+        return torch.cuda.Stream(), torch.cuda.Stream()
+
     def record_pre_forward(self, unit):
         if self.recording and unit not in self.pre_forward_order:
             self.pre_forward_order.append(unit)
@@ -147,6 +154,7 @@ class Schedule:
         self.finish_reductions()
         for unit in self.units:
             unit.all_reduce_kept_sums()
+            unit.wait_copy_out()  # the optimizer reads offloaded grads on the CPU, next
             unit.training_state = "idle"
             if unit.state == GATHERING:  # a prefetch nothing used (reentrant checkpointing's recompute)
                 unit.reshard()

@@ -34,6 +34,7 @@ of the unit; measured, the copies cost more at 47M parameters and the two were e
 State machine: SHARDED -> GATHERING (all-gather in flight) -> UNSHARDED -> SHARDED.
 """
 import math
+from contextlib import nullcontext
 
 import torch
 import torch.nn as nn
@@ -60,6 +61,11 @@ def reshard_after_forward_flag(value, world):
         return value != 1
     raise ValueError(f"reshard_after_forward={value!r} over {world} ranks: use True, False or None "
                      "(fsdp_impl does not reshard to a smaller group after forward)")
+
+
+def on_stream(stream):
+    """Run what follows on `stream` (a CUDA stream), or where it would have run (None)."""
+    return torch.cuda.stream(stream) if stream is not None else nullcontext()
 
 
 def dtensor_around(local, mesh, placements, shape, stride):
@@ -134,7 +140,8 @@ class ShardedUnit:
         self.training_state = "idle"  # idle | forward | pre_backward
         self.needs_post_backward = False  # a forward with grad ran: its backward will bring grads
         self.holds_unreduced_grads = False  # accumulated with gradient sync off, not yet reduce-scattered
-        self._gather = None  # (work, output, input) while GATHERING
+        self._gather = None  # (work, output, input, copy-in event or None) while GATHERING
+        self._copied_out = None  # offload: event of the grads' copy to CPU memory, while in flight
         self._full_memory = None  # from buffers.fill(flat_full), for buffers.drain()
         self._reduction = None  # (work, input, output, params) while a reduce-scatter is in flight
         self._partial_reduction = None  # HSDP with all-reduce off: reduce-scattered, not yet averaged
@@ -280,7 +287,11 @@ class ShardedUnit:
         if not self.params:  # no parameters of its own (all in nested units): nothing to gather, as in FSDP2
             self.state = UNSHARDED
             return
-        with profiled(f"fsdp::all_gather {self.name}"), torch.no_grad():
+        copy_in = self.schedule.offload_streams[0] if self.offload else None
+        if copy_in is not None:
+            # the memory it fills was last read by kernels queued on the compute stream
+            copy_in.wait_stream(torch.cuda.current_stream())
+        with profiled(f"fsdp::all_gather {self.name}"), torch.no_grad(), on_stream(copy_in):
             ledger.log("all_gather", self.name)
             shard = self.flat_shard
             if self.world > 1 and (shard.dtype != self.param_dtype or shard.device != self.compute_device):
@@ -302,7 +313,8 @@ class ShardedUnit:
             # these same tensors in forward and must not see that as an in-place change (the
             # copy-out below is guarded the same way)
             with torch.autograd._unsafe_preserve_version_counter(self.flat_full):
-                self._gather = (comm.all_gather(slots, pieces, self.shard_group), output, shard)
+                work = comm.all_gather(slots, pieces, self.shard_group)
+            self._gather = (work, output, shard, copy_in.record_event() if copy_in is not None else None)
         self.state = GATHERING
 
     def wait_unshard(self):
@@ -312,9 +324,11 @@ class ShardedUnit:
             self._finish_gather()
 
     def _finish_gather(self):
-        work, output, _ = self._gather
+        work, output, _, copied_in = self._gather
         with profiled(f"fsdp::all_gather_wait {self.name}"), torch.no_grad():
             work.wait()  # (if it raises, the gather stays pending: a later wait raises the same error)
+            if copied_in is not None:
+                torch.cuda.current_stream().wait_event(copied_in)
             self._gather = None
             ledger.log("all_gather_wait", self.name)
             if output is not self.flat_full:  # copy out of the rank-major all-gather buffer
@@ -347,6 +361,7 @@ class ShardedUnit:
         if self._reduction is not None:
             self._reduction[0].wait()
             self._reduction = None
+        self.wait_copy_out()
         self.reshard()
         self._end_phase_range()
         self.training_state = "idle"
@@ -536,6 +551,27 @@ class ShardedUnit:
                 comm.all_reduce_mean(output, self.replicate_group).wait()
             self._accumulate_grads(output, params)
 
+    def _copy_out(self, output, adding):
+        """Offload: the reduced grads into (pinned) CPU memory. Without grads there to add them to,
+        the copy runs on a stream of its own, beside the backward of the units still to come, and
+        wait_copy_out() ends it before anything reads them (FSDP2 does the same)."""
+        host = torch.empty(output.numel(), dtype=self.dtype, pin_memory=self.pin_memory)
+        if adding or not self.pin_memory:
+            return host.copy_(output)  # a blocking copy: the add reads it at once (as pageable memory needs)
+        copy_out = self.schedule.offload_streams[1]
+        copy_out.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(copy_out):
+            host.copy_(output, non_blocking=True)
+        output.record_stream(copy_out)  # freed now, but not reused before the copy has read it
+        self._copied_out = copy_out.record_event()
+        return host
+
+    def wait_copy_out(self):
+        """Block the host until this unit's grads are in CPU memory (end of backward, reset)."""
+        if self._copied_out is not None:
+            self._copied_out.synchronize()
+            self._copied_out = None
+
     @torch.no_grad()
     def all_reduce_kept_sums(self):
         """HSDP, end of backward: sums kept with the all-reduce off, when the micro-step with it on
@@ -548,7 +584,10 @@ class ShardedUnit:
 
     def _accumulate_grads(self, output, params):
         """Add the reduced flat `output` (over `params`) into the sharded grads."""
-        output = output.to(self.flat_shard.device, self.dtype)
+        if self.offload:
+            output = self._copy_out(output, adding=any(ps.sharded.grad is not None for ps in params))
+        else:
+            output = output.to(self.dtype)
         offset = 0
         for ps in params:
             local = output[offset:offset + ps.local_numel].view(ps.local_shape)
