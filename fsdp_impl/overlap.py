@@ -4,9 +4,9 @@ How much communication a profiler trace hid under compute, step by step, for any
     python -m fsdp_impl.overlap out/traces/custom_fsdp/rank0.json [more traces ...]
 
 Communication: on CPU, collective events (gloo's worker-thread ranges, and fsdp_impl's shared-memory
-transfers on its posting thread); on GPU, NCCL kernels and
-every kernel off the compute stream (the stream with the most kernel time), such as the casts
-FSDP2 runs on its copy-in stream. Compute: the compute stream's other kernels; on CPU, the time
+transfers on its posting thread); on GPU, NCCL kernels, copies between CPU and GPU memory (CPU
+offload's traffic) and every kernel off the compute stream (the stream with the most kernel
+time), such as the casts FSDP2 runs on its copy-in stream. Compute: the compute stream's other kernels; on CPU, the time
 the training thread (the one that runs ProfilerStep#N) spends in operators, minus the ranges
 where it blocks on a collective: any range named like a wait, a c10d call, or FSDP2's all-gather
 / reduce ranges (an autograd node that encloses a blocking hook would otherwise count as compute).
@@ -93,7 +93,8 @@ def _timelines(trace):
         for e in kernels:
             busy[_stream(e)] = busy.get(_stream(e), 0) + e["dur"]
         compute_stream = max(busy, key=busy.get)
-        comm = [e for e in kernels if _is_comm(e) or _stream(e) != compute_stream]
+        copies = [e for e in events if e.get("cat") == "gpu_memcpy"]
+        comm = [e for e in kernels if _is_comm(e) or _stream(e) != compute_stream] + copies
         compute = _union(_span(e) for e in kernels if not _is_comm(e) and _stream(e) == compute_stream)
         return steps, comm, _union(map(_span, comm)), compute
     comm = [e for e in events if _is_comm(e)]

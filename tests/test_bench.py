@@ -76,6 +76,21 @@ def test_overlap_gpu_trace_counts_kernels_off_the_compute_stream_as_communicatio
     assert overlap.exposed_by_place(trace) == {"unrolled_elementwise_kernel": pytest.approx(0.010)}
 
 
+def test_overlap_gpu_trace_counts_copies_between_cpu_and_gpu_as_communication():
+    # CPU offload: the shard's copy to the GPU (10-40) on a copy stream, 30 us of it beside the
+    # gemm; the gradients' copy back (80-100) on the compute stream's tid, exposed: a copy is
+    # traffic wherever it runs, and it never makes its stream the compute stream
+    trace = {"traceEvents": [
+        op("ProfilerStep#1", 0, 100, cat="user_annotation"),
+        op("sm90_gemm", 0, 60, tid=7, cat="kernel"), op("Memcpy HtoD (Pinned -> Device)", 10, 30, tid=9, cat="gpu_memcpy"),
+        op("Memcpy DtoH (Device -> Pinned)", 80, 20, tid=7, cat="gpu_memcpy"),
+    ]}
+    (row,) = overlap.analyse(trace)
+    assert row["comm_ms"] == pytest.approx(0.050) and row["compute_ms"] == pytest.approx(0.060)
+    assert row["hidden_ms"] == pytest.approx(0.030) and row["exposed_ms"] == pytest.approx(0.020)
+    assert overlap.exposed_by_place(trace) == {"Memcpy DtoH (Device -> Pinned)": pytest.approx(0.020)}
+
+
 def test_exposed_time_goes_to_the_innermost_range_the_training_thread_was_in():
     # gloo communicates 30-90; the training thread computes 0-40 and 70-100. Exposed 40-70: 40-45 and
     # 55-60 in the FSDP wait range, 45-55 in the c10d call inside it, 60-70 in no range at all.
