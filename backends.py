@@ -115,6 +115,18 @@ def _cpp_compiler_found():
         return False
 
 
+def grad_norm(grads):
+    """The 2-norm of all `grads` together. On the CPU, row by row and then over the rows: torch's norm
+    of a whole CPU tensor runs on one thread and sums it in one float32 run. For a 1.3B model's
+    offloaded grads on an H200 machine's 16 cores that took 408 ms, the rows 59 ms; over one
+    16.7M-value tensor it erred by 6e-4 relative, the rows by 3e-8 (IMPLEMENTATION.md). On the GPU
+    torch's multi-tensor norm, one kernel for them all."""
+    if not grads or grads[0].device.type != "cpu":
+        return torch.nn.utils.get_total_norm(grads)
+    rows = [g.reshape(g.shape[0], -1) if g.dim() > 1 and g.numel() else g.reshape(1, -1) for g in grads]
+    return torch.linalg.vector_norm(torch.cat([torch.linalg.vector_norm(r, dim=1) for r in rows]))
+
+
 def make_backend(name, cfg):
     if name not in BACKENDS:
         raise BackendError(f"unknown dist_backend '{name}' (choose one of {', '.join(BACKENDS)})")
@@ -166,7 +178,7 @@ class Backend:
         return [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
 
     def total_norm(self, grads):
-        return torch.nn.utils.get_total_norm(grads)
+        return grad_norm(grads)
 
     def step(self, optimizer):
         optimizer.step()
@@ -363,7 +375,7 @@ class FSDPBackend(Backend):
         """Each rank's squared norm summed over the shard group (x^2, sum, x^(1/2), as DTensor
         reduces a partial norm); the replicas of HSDP hold the same shards and are left out."""
         # (.to: offloaded gradients live in CPU memory, NCCL's collective wants the device)
-        norm = torch.nn.utils.get_total_norm(grads).to(self.device)
+        norm = grad_norm(grads).to(self.device)
         if self.shard_group.size() > 1:
             norm = norm ** 2
             dist.all_reduce(norm, group=self.shard_group)
