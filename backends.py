@@ -120,7 +120,7 @@ def grad_norm(grads):
     of a whole CPU tensor runs on one thread and sums it in one float32 run. For a 1.3B model's
     offloaded grads on an H200 machine's 16 cores that took 408 ms, the rows 59 ms; over one
     16.7M-value tensor it erred by 6e-4 relative, the rows by 3e-8 (IMPLEMENTATION.md). On the GPU
-    torch's multi-tensor norm, one kernel for them all."""
+    torch's multi-tensor norm, one kernel for them all. (A backend's grads are all on one device.)"""
     if not grads or grads[0].device.type != "cpu":
         return torch.nn.utils.get_total_norm(grads)
     rows = [g.reshape(g.shape[0], -1) if g.dim() > 1 and g.numel() else g.reshape(1, -1) for g in grads]

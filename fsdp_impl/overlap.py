@@ -5,8 +5,8 @@ How much communication a profiler trace hid under compute, step by step, for any
 
 Communication: on CPU, collective events (gloo's worker-thread ranges, and fsdp_impl's shared-memory
 transfers on its posting thread); on GPU, NCCL kernels, copies between CPU and GPU memory (CPU
-offload's traffic) and every kernel off the compute stream (the stream with the most kernel
-time), such as the casts FSDP2 runs on its copy-in stream. Compute: the compute stream's other kernels; on CPU, the time
+offload's traffic, and the batch's few bytes) and every kernel off the compute stream (the stream
+with the most kernel time), such as the casts FSDP2 runs on its copy-in stream. Compute: the compute stream's other kernels; on CPU, the time
 the training thread (the one that runs ProfilerStep#N) spends in operators, minus the ranges
 where it blocks on a collective: any range named like a wait, a c10d call, or FSDP2's all-gather
 / reduce ranges (an autograd node that encloses a blocking hook would otherwise count as compute).
@@ -93,7 +93,7 @@ def _timelines(trace):
         for e in kernels:
             busy[_stream(e)] = busy.get(_stream(e), 0) + e["dur"]
         compute_stream = max(busy, key=busy.get)
-        copies = [e for e in events if e.get("cat") == "gpu_memcpy"]
+        copies = [e for e in events if e.get("cat") == "gpu_memcpy" and ("HtoD" in e["name"] or "DtoH" in e["name"])]
         comm = [e for e in kernels if _is_comm(e) or _stream(e) != compute_stream] + copies
         compute = _union(_span(e) for e in kernels if not _is_comm(e) and _stream(e) == compute_stream)
         return steps, comm, _union(map(_span, comm)), compute

@@ -554,10 +554,13 @@ class ShardedUnit:
     def _copy_out(self, output, adding):
         """Offload: the reduced grads into (pinned) CPU memory. Without grads there to add them to,
         the copy runs on a stream of its own, beside the backward of the units still to come, and
-        wait_copy_out() ends it before anything reads them (FSDP2 does the same)."""
+        wait_copy_out() ends it before anything reads them (FSDP2 too copies asynchronously only then)."""
         host = torch.empty(output.numel(), dtype=self.dtype, pin_memory=self.pin_memory)
         if adding or not self.pin_memory:
-            return host.copy_(output)  # a blocking copy: the add reads it at once (as pageable memory needs)
+            # the grads it is added to may be an earlier copy of this backward's still in flight
+            # (a unit called twice): that one first, then a blocking copy, as the add reads it at once
+            self.wait_copy_out()
+            return host.copy_(output)
         copy_out = self.schedule.offload_streams[1]
         copy_out.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(copy_out):

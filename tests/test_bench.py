@@ -79,10 +79,12 @@ def test_overlap_gpu_trace_counts_kernels_off_the_compute_stream_as_communicatio
 def test_overlap_gpu_trace_counts_copies_between_cpu_and_gpu_as_communication():
     # CPU offload: the shard's copy to the GPU (10-40) on a copy stream, 30 us of it beside the
     # gemm; the gradients' copy back (80-100) on the compute stream's tid, exposed: a copy is
-    # traffic wherever it runs, and it never makes its stream the compute stream
+    # traffic wherever it runs, and it never makes its stream the compute stream. A copy within
+    # the GPU's memory (60-70) is neither
     trace = {"traceEvents": [
         op("ProfilerStep#1", 0, 100, cat="user_annotation"),
         op("sm90_gemm", 0, 60, tid=7, cat="kernel"), op("Memcpy HtoD (Pinned -> Device)", 10, 30, tid=9, cat="gpu_memcpy"),
+        op("Memcpy DtoD (Device -> Device)", 60, 10, tid=7, cat="gpu_memcpy"),
         op("Memcpy DtoH (Device -> Pinned)", 80, 20, tid=7, cat="gpu_memcpy"),
     ]}
     (row,) = overlap.analyse(trace)
