@@ -84,14 +84,12 @@ def train(impl, mesh, mode):
         opt.step()
         opt.zero_grad()
     params = {n: p.to_local().detach().cpu() for n, p in model.named_parameters()}  # one rank: the whole tensor
-    where = {"param": {p.to_local().device.type for p in model.parameters()},
-             "grad_after_backward": None}
     _, loss = model(*batches(STEPS, 0))
     loss.backward()
-    where["grad_after_backward"] = sorted({p.grad.to_local().device.type for p in model.parameters()})
-    where["param"] = sorted(where["param"])
+    where = {"param": sorted({p.to_local().device.type for p in model.parameters()}),
+             "grad_after_backward": sorted({p.grad.to_local().device.type for p in model.parameters()}),
+             "moved": all(not torch.equal(initial[n], params[n]) for n in params)}
     opt.zero_grad()
-    where["moved"] = all(not torch.equal(initial[n], params[n]) for n in params)
     return model, losses, norms, params, where
 
 
