@@ -33,17 +33,21 @@ CFG = dict(block_size=32, vocab_size=96, n_layer=3, n_head=2, n_embd=64)
 BATCH, STEPS = 4, 3
 IMPLS = {"fsdp2": (fsdp2_fully_shard, FSDP2MixedPrecision, CPUOffloadPolicy),
          "ours": (our_fully_shard, OurMixedPrecision, OurOffload)}
-MODES = {  # name -> (offload, bf16, micro-steps, gradient sync on every micro-step, reshard_after_forward)
-    "plain": (False, False, 1, True, True),
-    "offload": (True, False, 1, True, True),
-    "offload_bf16": (True, True, 1, True, True),
-    "offload_zero2": (True, False, 1, True, False),
-    "offload_accumulate_synced": (True, False, 2, True, True),  # the second micro-step adds to CPU grads
-    "offload_accumulate_no_sync": (True, False, 2, False, True),
+MODES = {  # name -> what differs from offload in fp32, one micro-step, ZeRO-3, every unit called once
+    "plain": dict(offload=False),
+    "offload": dict(),
+    "offload_bf16": dict(bf16=True),
+    "offload_zero2": dict(reshard=False),
+    "offload_accumulate_synced": dict(micro=2),  # the second micro-step adds to CPU grads
+    "offload_accumulate_no_sync": dict(micro=2, synced=False),
+    # block 1 runs twice per forward: its second reduction adds to grads its first copies out
+    "offload_unit_called_twice": dict(twice=True),
+    "offload_hsdp": dict(hsdp=True),  # a (replicate, shard) mesh of 1 x 1: the all-reduce path
 }
+DEFAULTS = dict(offload=True, bf16=False, micro=1, synced=True, reshard=True, twice=False, hsdp=False)
 
 
-def build(impl, mesh, offload, bf16, reshard):
+def build(impl, mesh, offload, bf16, reshard, twice):
     shard, mp_cls, offload_cls = IMPLS[impl]
     kw = dict(mesh=mesh, reshard_after_forward=reshard)
     if bf16:
@@ -57,6 +61,8 @@ def build(impl, mesh, offload, bf16, reshard):
     shard(model, **{**kw, "reshard_after_forward": None})  # the root keeps its parameters, as in backends.py
     model.to_empty(device="cpu" if offload else "cuda")  # (FSDP2 asks offloaded shards to start in CPU memory)
     model.init_weights(0)
+    if twice:
+        model.transformer.h.insert(2, model.transformer.h[1])  # forward runs h.0, h.1, h.1, h.2
     return model
 
 
@@ -67,9 +73,10 @@ def batches(step, micro):
     return x.cuda(), y.cuda()
 
 
-def train(impl, mesh, mode):
-    offload, bf16, micro, synced, reshard = MODES[mode]
-    model = build(impl, mesh, offload, bf16, reshard)
+def train(impl, meshes, mode):
+    m = {**DEFAULTS, **MODES[mode]}
+    micro, synced = m["micro"], m["synced"]
+    model = build(impl, meshes["hsdp" if m["hsdp"] else "fsdp"], m["offload"], m["bf16"], m["reshard"], m["twice"])
     initial = {n: p.to_local().detach().cpu().clone() for n, p in model.named_parameters()}
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
     losses, norms = [], []
@@ -128,14 +135,15 @@ def main():
     store = dist.HashStore()
     dist.init_process_group("nccl", store=store, rank=0, world_size=1)
     torch.cuda.set_device(0)
-    mesh = init_device_mesh("cuda", (1,))
+    meshes = {"fsdp": init_device_mesh("cuda", (1,)),
+              "hsdp": init_device_mesh("cuda", (1, 1), mesh_dim_names=("replicate", "shard"))}  # (FSDP2 wants names)
     results = {}
     for mode in MODES:
         try:
             record = {}
             runs = {}
             for impl in IMPLS:
-                model, losses, norms, params, where = train(impl, mesh, mode)
+                model, losses, norms, params, where = train(impl, meshes, mode)
                 runs[impl] = (losses, norms, params)
                 record[impl] = {"losses": losses, "norms": norms, "where": where}
                 if mode in ("plain", "offload_bf16"):
