@@ -6,8 +6,9 @@ How much communication a profiler trace hid under compute, step by step, for any
 Communication: on CPU, collective events (gloo's worker-thread ranges, and fsdp_impl's shared-memory
 transfers on its posting thread); on GPU, NCCL kernels, copies between CPU and GPU memory (CPU
 offload's traffic, and the batch's few bytes) and every kernel off the compute stream (the stream
-with the most kernel time), such as the casts FSDP2 runs on its copy-in stream. Compute: the compute stream's other kernels; on CPU, the time
-the training thread (the one that runs ProfilerStep#N) spends in operators, minus the ranges
+with the most kernel time), such as the casts FSDP2 runs on its copy-in stream. Compute: the
+compute stream's other kernels; on CPU, the time the training thread (the one that runs
+ProfilerStep#N) spends in operators, minus the ranges
 where it blocks on a collective: any range named like a wait, a c10d call, or FSDP2's all-gather
 / reduce ranges (an autograd node that encloses a blocking hook would otherwise count as compute).
 Per step: the union of each, their intersection (hidden), and what stayed exposed. Then where the

@@ -567,7 +567,7 @@ class ShardedUnit:
         with torch.cuda.stream(copy_out):
             host.copy_(output, non_blocking=True)
         output.record_stream(copy_out)  # freed now, but not reused before the copy has read it
-        self._copied_out = copy_out.record_event()
+        self._copied_out = copy_out.record_event()  # (replacing an earlier one: the stream runs in order)
         return host
 
     def wait_copy_out(self):

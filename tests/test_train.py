@@ -380,10 +380,6 @@ def test_clip_grad_norm_is_torchs_over_every_gradient(backend):
     assert abs(float(norm_err)) < 1e-6 and float(grad_err) < 1e-6, (norm_err, grad_err)
 
 
-# ---------------------------------------------------------------------------------------------
-# 7. bad input: one 'error:' line, non-zero exit, nothing touched
-
-
 def test_cpu_grad_norm_is_exact_to_float32_rounding_where_torchs_flat_norm_is_not():
     """On the CPU the clipping's norm sums row by row (on every thread, IMPLEMENTATION.md); torch's norm
     of a whole CPU tensor sums it in one float32 run, which errs by 6e-4 relative over this 16.7M-value
@@ -396,6 +392,10 @@ def test_cpu_grad_norm_is_exact_to_float32_rounding_where_torchs_flat_norm_is_no
     assert abs(grad_norm(grads).double() / exact - 1) < 1e-7
     assert abs(torch.nn.utils.get_total_norm(grads).double() / exact - 1) > 1e-4  # (what the test guards against)
     assert grad_norm([]) == 0 and grad_norm([torch.zeros(0, 3)]) == 0
+
+
+# ---------------------------------------------------------------------------------------------
+# 7. bad input: one 'error:' line, non-zero exit, nothing touched
 
 
 def test_unknown_backend(tiny_args, tmp_path):
