@@ -105,6 +105,7 @@ class Schedule:
         self.recording = True
         self.next_forward, self.next_backward = {}, {}
         self.pending_reductions = []
+        self.read_by_copy_out = None  # (tensors, event): see hold_until_read
         self.end_of_backward_queued = False
         _schedules.add(self)
         if _step_hook is None:
@@ -115,6 +116,18 @@ class Schedule:
         """CUDA streams (copy-in, copy-out) for offloaded units: the copies between CPU and GPU
         memory run beside the compute stream's kernels, so prefetch hides them."""
         return torch.cuda.Stream(), torch.cuda.Stream()
+
+    def hold_until_read(self, tensors, event):
+        """Keep `tensors`, which the copy-out stream reads until `event`, alive until the compute stream
+        waits for it: at the next call (a unit later, so the wait seldom stalls) or the end of backward.
+        Freed then, their memory is reused in the compute stream's order, after the read."""
+        self.release_read()
+        self.read_by_copy_out = (tensors, event)
+
+    def release_read(self):
+        if self.read_by_copy_out is not None:
+            torch.cuda.current_stream().wait_event(self.read_by_copy_out[1])
+            self.read_by_copy_out = None
 
     def record_pre_forward(self, unit):
         if self.recording and unit not in self.pre_forward_order:
@@ -153,6 +166,7 @@ class Schedule:
         for unit in self.units:
             unit.post_backward()  # no-op for units whose gate ran it already
         self.finish_reductions()
+        self.release_read()
         for unit in self.units:
             unit.all_reduce_kept_sums()
             unit.wait_copy_out()  # the optimizer reads offloaded grads on the CPU, next
@@ -166,5 +180,6 @@ class Schedule:
         for unit in self.units:
             unit.reset()
         self.pending_reductions.clear()
+        self.release_read()
         self.buffers.clear()
         self.end_of_backward_queued = False

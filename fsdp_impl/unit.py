@@ -479,13 +479,23 @@ class ShardedUnit:
             if self.world == 2 and self.point_to_point:
                 self._reduce_scatter_pair(params, grads, numel)
                 return
+            copy_out = None  # offloaded at one rank: the copy-out stream
             if self.world == 1:  # the reduction is the identity, so its input is its output (no copy)
-                rs_input = torch.empty(numel, dtype=self.reduce_dtype, device=self.compute_device)
-                # no padding to add, so one multi-tensor copy (and cast) does it: on an H100 CUDA's
-                # _chunk_cat kernel took 1.7x its time for a 1.3B model's block; it costs some 10 us
-                # more host time per unit (IMPLEMENTATION.md, fourth GPU round)
-                torch._foreach_copy_(rs_input.split([ps.padded_numel for ps in params]),
-                                     [grad.flatten() for grad in grads])
+                # offloaded (not HSDP, whose all-reduce runs on the compute stream's side), the
+                # copy-out stream casts the grads into memory of its own, copies that to the CPU and
+                # frees it in its own order, with no record_stream (IMPLEMENTATION.md, seventh GPU round)
+                if self.offload and self.replicate_group is None:
+                    copy_out = self.schedule.offload_streams[1]
+                    copy_out.wait_stream(torch.cuda.current_stream())
+                with on_stream(copy_out):
+                    rs_input = torch.empty(numel, dtype=self.reduce_dtype, device=self.compute_device)
+                    # no padding to add, so one multi-tensor copy (and cast) does it: on an H100 CUDA's
+                    # _chunk_cat kernel took 1.7x its time for a 1.3B model's block; it costs some 10 us
+                    # more host time per unit (IMPLEMENTATION.md, fourth GPU round)
+                    torch._foreach_copy_(rs_input.split([ps.padded_numel for ps in params]),
+                                         [grad.flatten() for grad in grads])
+                if copy_out is not None:  # (which reads the grads until then)
+                    self.schedule.hold_until_read(list(grads), copy_out.record_event())
             else:
                 rs_input = self.schedule.buffers.take(self.world * numel, self.reduce_dtype)
                 torch._chunk_cat(grads, dim=0, num_chunks=self.world, out=rs_input.view(self.world, -1))
@@ -495,7 +505,10 @@ class ShardedUnit:
             rs_output = rs_input.new_empty(numel) if self.world > 1 else rs_input
             work = comm.reduce_scatter(rs_output, rs_input, self.shard_group)
             self._reduction = (work, rs_input, rs_output, params)
-            self.schedule.pending_reductions.append(self)
+            if copy_out is not None:  # the copy to the CPU queued right behind the cast
+                self.finish_reduction()
+            else:
+                self.schedule.pending_reductions.append(self)
 
     def _reduce_scatter_pair(self, params, grads, numel):
         """Two ranks on gloo: each gradient's rows go straight to their rank, with no _chunk_cat into a
@@ -557,16 +570,20 @@ class ShardedUnit:
         the copy runs on a stream of its own, beside the backward of the units still to come, and
         wait_copy_out() ends it before anything reads them (FSDP2 too copies asynchronously only then)."""
         host = torch.empty(output.numel(), dtype=self.dtype, pin_memory=self.pin_memory)
+        copy_out = self.schedule.offload_streams[1]
+        copy_out.wait_stream(torch.cuda.current_stream())
         if adding or not self.pin_memory:
             # the grads it is added to may be an earlier copy of this backward's still in flight
             # (a unit called twice): that one first, then a blocking copy, as the add reads it at once
+            # (on the copy-out stream: at one rank that stream wrote `output`)
             self.wait_copy_out()
-            return host.copy_(output)
-        copy_out = self.schedule.offload_streams[1]
-        copy_out.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(copy_out):
+                return host.copy_(output)
         with torch.cuda.stream(copy_out):
             host.copy_(output, non_blocking=True)
-        output.record_stream(copy_out)  # freed now, but not reused before the copy has read it
+        # freed now, but not reused before the copy has read it (a no-op at one rank, where this
+        # stream allocated it and reuses it in its own order)
+        output.record_stream(copy_out)
         self._copied_out = copy_out.record_event()  # (replacing an earlier one: the stream runs in order)
         return host
 
