@@ -13,7 +13,8 @@ Schedule: the root's view of a training step, shared by all units under one root
   step) and waits for every pending reduction, so the sharded .grads are complete when
   backward() returns.
 - The buffer pool: unit-sized buffers reused across units and steps (CPU only).
-- Under CPU offload, two CUDA streams that carry the shards to the GPU and the grads back.
+- Under CPU offload, two CUDA streams that carry the shards to the GPU and the grads back, and
+  the unsharded grads the copy-out stream reads, held until the compute stream waits for it.
 - Gathered parameters never outlive an optimizer step, which changes the shards they copy: a
   prefetch nobody used, or a unit left unsharded, is dropped before any step (a global hook).
 """
