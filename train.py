@@ -377,7 +377,47 @@ def log_metrics(**row):
     metrics.flush()
 
 
+def read_when_done(*scalars):
+    """Start copying a step's scalars to the host without waiting for the device; returns a function
+    that waits for them (only them, not for what was queued after) and returns them as floats."""
+    host = [t.to("cpu", torch.float32, non_blocking=True) for t in scalars]  # (into pinned memory from a GPU)
+    if device_type != "cuda":
+        return lambda: [t.item() for t in host]
+    copied = torch.cuda.Event()
+    copied.record()
+    return lambda: (copied.synchronize(), [t.item() for t in host])[1]
+
+
+def finite_step(loss_mean, grad_norm):
+    # (with float16's loss scaling an inf norm is routine: the scaler skips that step)
+    return math.isfinite(loss_mean) and (math.isfinite(grad_norm) or back.loss_scaling)
+
+
+def report_last_step():
+    """Log the last step's row once its loss and grad norm are on the host. With on_nonfinite='stop'
+    that is during the next step (or before an evaluation, a checkpoint, the end): a non-finite one
+    exits then, with the checkpoints untouched."""
+    global last_step
+    if last_step is None:
+        return
+    (row, read), last_step = last_step, None
+    loss_total, grad_norm = read()
+    loss_mean = loss_total / world_size
+    if on_nonfinite == "stop" and not finite_step(loss_mean, grad_norm):
+        fail(f"non-finite loss {loss_mean} or grad norm {grad_norm} at iteration {row['iter']}; "
+             f"the last checkpoint in {out_dir} is untouched (on_nonfinite='skip' skips such steps)")
+    if master:
+        log_metrics(**({"iter": row["iter"], "loss": loss_mean, "grad_norm": grad_norm} | row))
+        if wandb_log:
+            wandb.log({"iter": row["iter"], "train/loss_step": loss_mean, "grad_norm": grad_norm, "lr": row["lr"],
+                       "tokens_per_sec": row["tokens_per_sec"]})
+        if row["iter"] % log_interval == 0:
+            mfu_text = f", mfu {row['mfu'] * 100:.2f}%" if row["mfu"] is not None else ""
+            print(f"iter {row['iter']}: loss {loss_mean:.4f}, time {row['dt_ms']:.2f}ms{mfu_text}")
+
+
 # training loop: iterations iter_num .. max_iters-1; evaluate (and checkpoint) every eval_interval
+last_step = None  # (row, read): the last step, not yet reported
 start_iter = iter_num  # a checkpoint of this iteration exists already (or it is 0)
 skipped_in_a_row = 0  # on_nonfinite='skip'
 while True:
@@ -385,6 +425,7 @@ while True:
     for group in optimizer.param_groups:
         group["lr"] = lr
     if iter_num % eval_interval == 0 or iter_num == max_iters or eval_only:
+        report_last_step()  # (a non-finite step exits before anything is saved)
         losses = estimate_loss() if eval_iters else None  # eval_iters=0: no evaluation
         if master and losses:
             print(f"step {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
@@ -433,34 +474,27 @@ while True:
         dist.all_reduce(loss_sum)  # exact mean over the global batch, not rank 0's share
     with obs.host_time("clip"):
         grad_norm = back.clip_grad_norm(optimizer, grad_clip)
-    # 'stop' exits on a bad step without saving anything, so it can queue the optimizer step
-    # before looking: the host dispatches it while the device is still in backward. 'skip'
-    # must look first.
-    step_before_check = on_nonfinite == "stop"
-    if step_before_check:
+    read_step = read_when_done(loss_sum, grad_norm)
+    if on_nonfinite == "stop":
+        # 'stop' exits on a bad step without saving anything, so it steps without looking: the host
+        # queues this step whole, and looks (one wait for the device, for both numbers) one step later
         with obs.host_time("optimizer"):
             back.step(optimizer)
-    # one wait for the device, for both numbers
-    loss_total, grad_norm = torch.stack([loss_sum, grad_norm.to(device, loss_sum.dtype)]).tolist()
-    loss_mean = loss_total / world_size
-    # (with float16's loss scaling an inf norm is routine: the scaler skips that step)
-    if not math.isfinite(loss_mean) or not (math.isfinite(grad_norm) or back.loss_scaling):
-        if on_nonfinite == "stop":
-            fail(f"non-finite loss {loss_mean} or grad norm {grad_norm} at iteration {iter_num}; "
-                 f"the last checkpoint in {out_dir} is untouched (on_nonfinite='skip' skips such steps)")
-        skipped_in_a_row += 1
-        if skipped_in_a_row > max_skipped_steps:  # a bad batch passes; a diverged model does not
-            fail(f"{skipped_in_a_row} steps in a row had a non-finite loss or grad norm (iteration {iter_num}): "
-                 f"skipping does not recover; the last checkpoint in {out_dir} is untouched")
-        back.skip_step(optimizer)
-        if master:
-            print(f"iter {iter_num}: non-finite loss {loss_mean} or grad norm {grad_norm}: step skipped")
-            log_metrics(iter=iter_num, event="skipped_nonfinite")
-    else:
-        skipped_in_a_row = 0
-        if not step_before_check:
+    else:  # 'skip' must look first
+        loss_total, grad_norm = read_step()
+        if finite_step(loss_total / world_size, grad_norm):
+            skipped_in_a_row = 0
             with obs.host_time("optimizer"):
                 back.step(optimizer)
+        else:
+            skipped_in_a_row += 1
+            if skipped_in_a_row > max_skipped_steps:  # a bad batch passes; a diverged model does not
+                fail(f"{skipped_in_a_row} steps in a row had a non-finite loss or grad norm (iteration {iter_num}): "
+                     f"skipping does not recover; the last checkpoint in {out_dir} is untouched")
+            back.skip_step(optimizer)
+            if master:
+                print(f"iter {iter_num}: non-finite loss {loss_total / world_size} or grad norm {grad_norm}: step skipped")
+                log_metrics(iter=iter_num, event="skipped_nonfinite")
     comm.add_step()  # (the memory reports' own all-reduce is not training traffic)
     # before zero_grad, so that the gradients are counted beside the parameters and optimizer state;
     # its time (an all-reduce, a walk over the state) is left out of the step's
@@ -473,21 +507,14 @@ while True:
     optimizer.zero_grad(set_to_none=True)
     if trim_heap_each_step:
         trim_malloc_heap()
+    report_last_step()  # (in this step's time: the wait is for the device, which ran the last one)
     dt = time.time() - t0 - report_s
     obs.after_step()  # (after the clock: the trace, at the window's end, is written outside the step)
-
-    if master:
-        mfu = gpt.estimate_mfu(local_steps * batch_size, dt, peak_flops)
-        row = dict(iter=iter_num, loss=loss_mean, grad_norm=grad_norm, lr=lr, dt_ms=dt * 1000,
-                   tokens_per_sec=tokens_per_iter / dt, mfu=mfu, peak_mem_mb=obs.peak_mb(), host_ms=obs.host_ms,
-                   page_faults=obs.page_faults, cpu_ms=obs.cpu_ms)
-        log_metrics(**row)
-        if wandb_log:
-            wandb.log({"iter": iter_num, "train/loss_step": loss_mean, "grad_norm": grad_norm, "lr": lr,
-                       "tokens_per_sec": row["tokens_per_sec"]})
-        if iter_num % log_interval == 0:
-            mfu_text = f", mfu {mfu * 100:.2f}%" if mfu is not None else ""
-            print(f"iter {iter_num}: loss {loss_mean:.4f}, time {dt * 1000:.2f}ms{mfu_text}")
+    last_step = (dict(iter=iter_num, lr=lr, dt_ms=dt * 1000, tokens_per_sec=tokens_per_iter / dt,
+                      mfu=gpt.estimate_mfu(local_steps * batch_size, dt, peak_flops), peak_mem_mb=obs.peak_mb(),
+                      host_ms=obs.host_ms, page_faults=obs.page_faults, cpu_ms=obs.cpu_ms), read_step)
+    if on_nonfinite != "stop":
+        report_last_step()
     iter_num += 1
 
 obs.finish()
