@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, launch, launcher, losses, one_error_line, run_train, subprocess_env
+from conftest import REPO, launch, launcher, load_metrics, losses, one_error_line, run_train, subprocess_env
 
 
 def free_port():
@@ -235,6 +235,16 @@ def test_nonfinite_loss_stops_naming_the_iteration_and_keeps_the_checkpoint(args
     assert "the model is not finite at iteration 5" in one_error_line(res)
     assert (tmp_path / "latest").read_text() == "ckpt-0000004"
     assert {p.name: p.read_bytes() for p in (tmp_path / "ckpt-0000004").iterdir()} == before
+
+
+def test_nonfinite_step_read_one_step_late_still_stops_before_the_save(tiny_args, tmp_path):
+    """train.py reads a step's loss during the next step: a step that goes non-finite just before a
+    checkpoint iteration must still stop the run, naming its own iteration, before that save."""
+    bad = ["--learning_rate=1e9", "--warmup_iters=0", "--decay_lr=False", "--grad_clip=0.0"]
+    res = run_train(tmp_path, 1, *tiny_args, "--eval_interval=2", "--max_iters=6", "--eval_iters=0", *bad)
+    assert "non-finite loss nan or grad norm nan at iteration 1;" in one_error_line(res)
+    assert not list(tmp_path.glob("ckpt-*")), "a checkpoint was saved after the non-finite step"
+    assert [row["iter"] for row in load_metrics(tmp_path)[0]] == [0]
 
 
 def test_skipping_nonfinite_steps_gives_up_on_a_diverged_model(args, tmp_path):
