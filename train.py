@@ -8,6 +8,7 @@ Several nodes:             see README.md (torchrun rendezvous or scripts/slurm.s
 --dist_backend: ddp (DistributedDataParallel), fsdp (PyTorch's FSDP2), custom_fsdp (ours, fsdp_impl/).
 Every difference between them lives in backends.py; this loop never asks which one it has.
 """
+import functools
 import json
 import math
 import os
@@ -379,13 +380,19 @@ def log_metrics(**row):
 
 def read_when_done(*scalars):
     """Start copying a step's scalars to the host without waiting for the device; returns a function
-    that waits for them (only them, not for what was queued after) and returns them as floats."""
+    that waits for them (only them, not for what was queued after) and returns them as floats, once
+    ('skip' reads them before its step and again for the step's row)."""
     host = [t.to("cpu", torch.float32, non_blocking=True) for t in scalars]  # (into pinned memory from a GPU)
-    if device_type != "cuda":
-        return lambda: [t.item() for t in host]
-    copied = torch.cuda.Event()
-    copied.record()
-    return lambda: (copied.synchronize(), [t.item() for t in host])[1]
+    copied = torch.cuda.Event() if device_type == "cuda" else None
+    if copied is not None:
+        copied.record()
+
+    @functools.cache
+    def read():
+        if copied is not None:
+            copied.synchronize()
+        return [t.item() for t in host]
+    return read
 
 
 def finite_step(loss_mean, grad_norm):
