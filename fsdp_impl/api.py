@@ -186,10 +186,10 @@ def _post_forward(module, args, output):
     unit = module._fsdp_unit
     if unit.mp.output_dtype is not None:  # every module's output, in a grouped unit too (as FSDP2)
         output = _cast(output, unit.mp.output_dtype)
-    if module is not unit.modules[-1]:
-        return output  # a grouped unit ends with its last module...
+    if not unit.module_ran(module):
+        return output  # a grouped unit ends once each of its modules ran...
     ending = [unit]
-    if unit is unit.schedule.root:  # ...or, if that one did not run (a skipped layer), with the root
+    if unit is unit.schedule.root:  # ...or, if one of them did not run (a skipped layer), with the root
         ending += [u for u in unit.schedule.units if u is not unit and u.training_state == "forward"]
     grad_enabled = torch.is_grad_enabled()
     for u in ending:

@@ -139,6 +139,7 @@ class ShardedUnit:
         self.state = SHARDED
         self.schedule = None
         self.training_state = "idle"  # idle | forward | pre_backward
+        self.modules_to_run = set()  # of a forward under way: a grouped unit's ends once all of them ran
         self.needs_post_backward = False  # a forward with grad ran: its backward will bring grads
         self.holds_unreduced_grads = False  # accumulated with gradient sync off, not yet reduce-scattered
         self._gather = None  # (work, output, input, copy-in event or None) while GATHERING
@@ -382,12 +383,14 @@ class ShardedUnit:
         if self.training_state == "pre_backward" and not self.needs_post_backward:
             self.wait_unshard()
             self.needs_post_backward = True
+            self.modules_to_run = set(self.modules)
             return True
         if self.training_state != "idle":
             # "forward": a later module of a grouped unit; "pre_backward": activation
             # checkpointing recomputes inside backward. Either way the unit is already gathered.
             return False
         self.training_state = "forward"
+        self.modules_to_run = set(self.modules)
         self._sync_requires_grad()
         self.schedule.record_pre_forward(self)
         self.wait_unshard()
@@ -396,6 +399,12 @@ class ShardedUnit:
         ledger.log("forward", self.name)
         self._phase_range = comm.begin_range(f"fsdp::forward {self.name}")
         return True
+
+    def module_ran(self, module):
+        """One of the unit's modules ended its forward: True once every one has, in whatever order
+        they ran (as FSDP2 ends a group's forward)."""
+        self.modules_to_run.discard(module)
+        return not self.modules_to_run
 
     def _sync_requires_grad(self):
         """requires_grad_() may be called on either parameter object: the sharded one (registered

@@ -121,8 +121,9 @@ class Net(nn.Module):
 
 def build(impl, mesh, seed=0, meta=False, grouped=False, frozen=(), bf16=False, output_dtype=None,
           before_sharding=None, **net_kw):
-    """Every block its own unit (grouped: blocks.0 alone, blocks.1 and .2 as one unit), then the
-    root. reshard_after_forward is left at its default: True for the blocks in both."""
+    """Every block its own unit (grouped: blocks.0 alone, blocks.1 and .2 as one unit; "reversed":
+    that unit listed as [blocks.2, blocks.1]), then the root. reshard_after_forward is left at its
+    default: True for the blocks in both."""
     torch.manual_seed(seed)
     with torch.device("meta" if meta else "cpu"):
         model = Net(**net_kw)
@@ -130,7 +131,8 @@ def build(impl, mesh, seed=0, meta=False, grouped=False, frozen=(), bf16=False, 
         model.get_parameter(name).requires_grad_(False)
     if before_sharding is not None:
         before_sharding(model)
-    units = [model.blocks[0], [model.blocks[1], model.blocks[2]]] if grouped else list(model.blocks)
+    pair = [model.blocks[2], model.blocks[1]] if grouped == "reversed" else [model.blocks[1], model.blocks[2]]
+    units = [model.blocks[0], pair] if grouped else list(model.blocks)
     for unit in units + [model]:
         mp = BF16[impl](param_dtype=torch.bfloat16, reduce_dtype=torch.float32, output_dtype=output_dtype) \
             if bf16 and impl != "plain" else None
@@ -287,6 +289,24 @@ def grouped_unit_last_module_skipped(impl, mesh):
         model.skip = (2,) if s == 1 else ()  # the unit [blocks.1, blocks.2] ends without its last module
         plain_step(model, s)
     return train(build(impl, mesh, grouped=True), fwd_bwd)
+
+
+def grouped_unit_listed_out_of_order(impl, mesh):
+    """fully_shard([blocks.2, blocks.1]): the unit's forward ends once both modules ran, not at the
+    last one listed (which runs first), so it is gathered once and reduced once per micro-step; with
+    accumulation, reducing it in two parts gave other bits than FSDP2's."""
+    def fwd_bwd(model, s):
+        for micro in range(2):  # sync off, then on
+            model.set_requires_gradient_sync(micro == 1)
+            ledger.reset()
+            model(data(s, micro)).backward()
+            if impl != "ours":
+                continue
+            # blocks.0, the pair, the root: one gather each in forward, the root's kept for backward
+            expected = {"all_gather": 5, "reduce_scatter": 3 * micro, "all_reduce": 0}
+            if ledger.counts != expected:
+                raise AssertionError(f"collectives per micro-step {ledger.counts}, expected {expected}")
+    return train(build(impl, mesh, grouped="reversed"), fwd_bwd)
 
 
 def dataclass_output(impl, mesh):
@@ -517,7 +537,7 @@ def forward_pre_hook_registered_before_fully_shard(impl, mesh):
 FLOWS = [retain_graph, autograd_grad_then_backward, partial_no_grad_forward_before_step,
          partial_no_grad_forward_before_step_explicit_prefetch, reentrant_checkpoint, requires_grad_toggle,
          load_state_dict_assign, load_state_dict_assign_meta, grouped_unit_last_module_skipped,
-         dataclass_output, reset_after_exception_in_backward, unit_skipped_in_the_sync_micro_step,
+         grouped_unit_listed_out_of_order, dataclass_output, reset_after_exception_in_backward, unit_skipped_in_the_sync_micro_step,
          optimizer_step_in_backward, reentrant_checkpoint_two_forwards, mixed_precision_dataclass_io,
          forward_pre_hook_registered_before_fully_shard, bf16_first_grad_in_the_sync_micro_step, *HSDP_FLOWS,
          reused_layer_outside_then_checkpointed, reused_layer_checkpointed_then_outside,

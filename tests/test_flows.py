@@ -7,7 +7,8 @@ data for a few AdamW steps: two backward passes over one forward (retain_graph, 
 backward), a no_grad forward of one block between backward and the optimizer step (with the default
 prefetch, and with explicit forward-prefetch lists as train.py sets them), reentrant
 activation checkpointing, requires_grad_() changes during training, load_state_dict(assign=True)
-(materialized and meta models), a grouped unit whose last module is skipped, a block returning a
+(materialized and meta models), a grouped unit whose last module is skipped or that is listed out of
+the order its modules run in, a block returning a
 dataclass, recovery with reset_iter_state() after an exception in backward, and under bf16 a
 parameter whose first gradient comes in the synchronizing micro-step of an accumulation, and HSDP
 with the all-reduce off in one micro-step and on in the next, parts of a unit skipped; a layer used
@@ -56,7 +57,7 @@ LAUNCH_TIMEOUT_S = 240
 FLOWS = ["retain_graph", "autograd_grad_then_backward", "partial_no_grad_forward_before_step",
          "partial_no_grad_forward_before_step_explicit_prefetch", "reentrant_checkpoint", "requires_grad_toggle",
          "load_state_dict_assign", "load_state_dict_assign_meta", "grouped_unit_last_module_skipped",
-         "dataclass_output", "reset_after_exception_in_backward", "unit_skipped_in_the_sync_micro_step",
+         "grouped_unit_listed_out_of_order", "dataclass_output", "reset_after_exception_in_backward", "unit_skipped_in_the_sync_micro_step",
          "optimizer_step_in_backward", "reentrant_checkpoint_two_forwards", "mixed_precision_dataclass_io",
          "forward_pre_hook_registered_before_fully_shard", "bf16_first_grad_in_the_sync_micro_step",
          "hsdp_kept_sums_lack_the_units_last_module", "hsdp_kept_sums_lack_the_units_first_module",
