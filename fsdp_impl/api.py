@@ -57,6 +57,8 @@ def fully_shard(module, *, mesh=None, reshard_after_forward=None, mp_policy=Mixe
     FSDP2's int form is taken where it means a bool (1 or the shard group's size).
     offload_policy: ours or torch's CPUOffloadPolicy (CUDA only); torch's base OffloadPolicy() is none.
     A 2-D mesh (replicate, shard) gives HSDP.
+    As FSDP2's, it moves the modules' buffers to the mesh's device, and on CUDA the root's forward
+    moves its inputs there.
     """
     mesh = _mesh_for(mesh)
     if offload_policy is not None and not hasattr(offload_policy, "pin_memory"):
@@ -125,6 +127,10 @@ def _cast(tree, dtype):
     return _map_tensors(lambda t: t.to(dtype) if t.is_floating_point() else t, tree)
 
 
+def _to_device(tree, device):
+    return _map_tensors(lambda t: t.to(device), tree) if tree else tree
+
+
 # The hooks stay out of any graph torch.compile makes of a module's call (module.compile()): traced,
 # they broke it into pieces and recompiled on their counters (as FSDP2, which disables its hooks too)
 @torch._dynamo.disable(recursive=True)
@@ -132,6 +138,8 @@ def _pre_forward(module, args, kwargs):
     unit = module._fsdp_unit
     if unit.schedule is None:
         _lazy_init(module)
+    if unit is unit.schedule.root and unit.compute_device.type == "cuda":  # (as FSDP2's root, and DDP)
+        args, kwargs = _to_device(args, unit.compute_device), _to_device(kwargs, unit.compute_device)
     needs_gate = unit.pre_forward()
     if unit.mp.param_dtype is not None and unit.mp.cast_forward_inputs:
         args, kwargs = _cast(args, unit.mp.param_dtype), _cast(kwargs, unit.mp.param_dtype) if kwargs else kwargs

@@ -149,6 +149,7 @@ class ShardedUnit:
         self._partial_reduction = None  # HSDP with all-reduce off: reduce-scattered, not yet averaged
         self._phase_range = None  # profiler range of this unit's forward or backward, while open
         self._shard()
+        self._move_buffers()
 
     # ---- construction --------------------------------------------------------------------
     def _managed_params(self):
@@ -196,6 +197,15 @@ class ShardedUnit:
                 self._local_view(ps).view(-1, max(ps.row_numel, 1)).copy_(rows)
             ps.sharded = nn.Parameter(self._as_dtensor(self._local_view(ps), ps), requires_grad=p.requires_grad)
             ps.register(ps.sharded)
+
+    def _move_buffers(self):
+        """Buffers (masks, running statistics) go where forward runs, as FSDP2 moves them; meta ones
+        stay for a later to_empty()."""
+        for module in self.modules:
+            for sub in module.modules():
+                for name, buffer in sub._buffers.items():
+                    if buffer is not None and not buffer.is_meta and buffer.device != self.compute_device:
+                        sub._buffers[name] = buffer.to(self.compute_device)
 
     def _common_dtype(self, params):
         dtypes = {p.dtype for p in params}

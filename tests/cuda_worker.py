@@ -43,24 +43,34 @@ MODES = {  # name -> what differs from offload in fp32, one micro-step, ZeRO-3, 
     # block 1 runs twice per forward: its second reduction adds to grads its first copies out
     "offload_unit_called_twice": dict(twice=True),
     "offload_hsdp": dict(hsdp=True),  # a (replicate, shard) mesh of 1 x 1: the all-reduce path
+    # built in CPU memory with a buffer the first block's forward uses, fed CPU tensors: fully_shard
+    # moves the buffer to the GPU, the root's forward the inputs (FSDP2 does both)
+    "cpu_built": dict(offload=False, cpu_built=True),
 }
-DEFAULTS = dict(offload=True, bf16=False, micro=1, synced=True, reshard=True, twice=False, hsdp=False)
+DEFAULTS = dict(offload=True, bf16=False, micro=1, synced=True, reshard=True, twice=False, hsdp=False,
+                cpu_built=False)
 
 
-def build(impl, mesh, offload, bf16, reshard, twice):
+def build(impl, mesh, offload, bf16, reshard, twice, cpu_built):
     shard, mp_cls, offload_cls = IMPLS[impl]
     kw = dict(mesh=mesh, reshard_after_forward=reshard)
     if bf16:
         kw["mp_policy"] = mp_cls(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     if offload:
         kw["offload_policy"] = offload_cls()
-    with torch.device("meta"):
+    with torch.device("cpu" if cpu_built else "meta"):
         model = GPT(GPTConfig(**CFG))
+    if cpu_built:
+        model.init_weights(0)
+        first = model.transformer.h[0]
+        first.register_buffer("shift", torch.full((CFG["n_embd"],), 0.5))
+        first.register_forward_pre_hook(lambda module, args: (args[0] + module.shift,))
     for block in model.transformer.h:
         shard(block, **kw)
     shard(model, **{**kw, "reshard_after_forward": None})  # the root keeps its parameters, as in backends.py
-    model.to_empty(device="cpu" if offload else "cuda")  # (FSDP2 asks offloaded shards to start in CPU memory)
-    model.init_weights(0)
+    if not cpu_built:
+        model.to_empty(device="cpu" if offload else "cuda")  # (FSDP2 asks offloaded shards to start in CPU memory)
+        model.init_weights(0)
     if twice:
         model.transformer.h.insert(2, model.transformer.h[1])  # forward runs h.0, h.1, h.1, h.2
     return model
@@ -76,14 +86,16 @@ def batches(step, micro):
 def train(impl, meshes, mode):
     m = {**DEFAULTS, **MODES[mode]}
     micro, synced = m["micro"], m["synced"]
-    model = build(impl, meshes["hsdp" if m["hsdp"] else "fsdp"], m["offload"], m["bf16"], m["reshard"], m["twice"])
+    model = build(impl, meshes["hsdp" if m["hsdp"] else "fsdp"], m["offload"], m["bf16"], m["reshard"], m["twice"],
+                  m["cpu_built"])
+    fed = "cpu" if m["cpu_built"] else "cuda"
     initial = {n: p.to_local().detach().cpu().clone() for n, p in model.named_parameters()}
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
     losses, norms = [], []
     for step in range(STEPS):
         for k in range(micro):
             model.set_requires_gradient_sync(synced or k == micro - 1)
-            _, loss = model(*batches(step, k))
+            _, loss = model(*(t.to(fed) for t in batches(step, k)))
             (loss / micro).backward()
             losses.append(loss.item())
         grads = [p.grad.to_local() for p in model.parameters()]

@@ -15,7 +15,7 @@ from test_train import assert_close, only
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 MODES = ["plain", "offload", "offload_bf16", "offload_zero2", "offload_accumulate_synced",
-         "offload_accumulate_no_sync", "offload_unit_called_twice", "offload_hsdp"]
+         "offload_accumulate_no_sync", "offload_unit_called_twice", "offload_hsdp", "cpu_built"]
 
 
 @pytest.fixture(scope="module")
