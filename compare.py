@@ -67,8 +67,9 @@ def max_loss_diff(rows_a, rows_b, key="loss"):
     common = sorted(set(a) & set(b))
     if not common:
         return None
-    diffs = [abs(a[i] - b[i]) for i in common]
-    # a NaN anywhere means the runs diverged; don't let max() silently drop it
+    # the same non-finite value in both (a step both skipped as nan) is no difference
+    diffs = [0.0 if a[i] == b[i] or math.isnan(a[i]) and math.isnan(b[i]) else abs(a[i] - b[i]) for i in common]
+    # a NaN anywhere else means the runs diverged; don't let max() silently drop it
     return math.nan if any(math.isnan(d) for d in diffs) else max(diffs)
 
 

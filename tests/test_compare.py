@@ -1,5 +1,6 @@
 """compare.py on hand-written metrics.jsonl files with known loss gaps."""
 import json
+import math
 import re
 import subprocess
 import sys
@@ -50,6 +51,16 @@ def test_load_and_summarize(tmp_path):
     assert s[0]["final_val_loss"] == 3.2 and s[1]["final_val_loss"] == 3.3
     assert s[0]["median_tokens_per_sec"] == 200.0 and s[1]["median_tokens_per_sec"] == 25.0
     assert s[0]["peak_mem_mb"] == 75.5 and s[1]["peak_mem_mb"] == 3.0
+
+
+def test_a_step_both_runs_skipped_as_nan_is_no_difference():
+    """on_nonfinite='skip' logs a skipped step's nan loss: two runs that skipped the same step agree
+    there; a nan in one run only is still divergence."""
+    def rows(*losses):
+        return [{"iter": i, "loss": loss} for i, loss in enumerate(losses)]
+    assert compare.max_loss_diff(rows(4.0, math.nan, 3.5), rows(4.0, math.nan, 3.25)) == 0.25
+    assert compare.max_loss_diff(rows(4.0, math.inf), rows(4.0, math.inf)) == 0.0
+    assert math.isnan(compare.max_loss_diff(rows(4.0, math.nan, 3.5), rows(4.0, 3.9, 3.5)))
 
 
 def test_cli(tmp_path):
