@@ -30,7 +30,7 @@ from model import GPT, GPT2_MODELS, GPTConfig, load_pretrained_gpt2
 # I/O
 out_dir = "out"
 eval_interval = 250
-eval_iters = 20  # batches per split in each evaluation; 0 skips it (and saves at every eval_interval)
+eval_iters = 20  # batches per split in each evaluation; 0 skips it (and saves at every eval_interval, after a one-batch check)
 log_interval = 10
 eval_only = False  # evaluate the model as loaded (scratch, resume or gpt2) once, and exit
 always_save_checkpoint = True  # else only when the validation loss improves
@@ -159,8 +159,8 @@ if n_embd % n_head:
 if not 0 <= malloc_mmap_threshold_mb <= 32:
     fail(f"malloc_mmap_threshold_mb={malloc_mmap_threshold_mb} is outside 0..32 (0 keeps glibc's own; "
          f"older glibc refuses more than 32)")
-if seed < 0:
-    fail(f"seed={seed} is negative (the data and the initialization take seeds from 0 up)")
+if not 0 <= seed < 2**44:  # (the initialization and dropout draw from seeds of 64 bits made from it)
+    fail(f"seed={seed} is outside 0..2**44-1 (the data, the initialization and dropout derive their seeds from it)")
 if decay_lr and not (warmup_iters < lr_decay_iters and min_lr <= learning_rate):
     fail(f"the learning-rate schedule needs warmup_iters < lr_decay_iters and min_lr <= learning_rate "
          f"(got {warmup_iters}, {lr_decay_iters}, {min_lr}, {learning_rate})")
@@ -170,6 +170,8 @@ local_steps = gradient_accumulation_steps // world_size  # micro-batches on this
 tokens_per_iter = gradient_accumulation_steps * batch_size * block_size
 if master:
     print(f"{dist_backend} on {world_size} process(es); tokens per iteration: {tokens_per_iter:,}")
+if not out_dir:
+    fail("out_dir is empty: name a directory ('.' for this one)")
 if not creatable(out_dir):  # (created before the first write, so a refused run leaves nothing behind)
     fail(f"out_dir {out_dir} is not writable")
 device_type = "cuda" if device.startswith("cuda") else "cpu"
@@ -299,22 +301,22 @@ memory_rows = [obs.memory("after model creation", model, optimizer)]
 
 
 @torch.no_grad()
-def estimate_loss():
-    """Mean loss over eval_iters fixed batches per split, spread over all ranks (FSDP needs all)."""
+def estimate_loss(batches):
+    """Mean loss over `batches` fixed batches per split, spread over all ranks (FSDP needs all)."""
     model.eval()
     out = {}
     for split_id, split in enumerate(("train", "val")):
         total = torch.zeros((), dtype=torch.float64, device=device)
-        for j in range(math.ceil(eval_iters / world_size)):  # same count on every rank
+        for j in range(math.ceil(batches / world_size)):  # same count on every rank
             k = rank + j * world_size
-            X, Y = get_batch(split, 2**40 + split_id, k % eval_iters)  # not an iteration number
+            X, Y = get_batch(split, 2**40 + split_id, k % batches)  # not an iteration number
             with back.autocast():
                 loss = model(X, Y)[1]
-            if k < eval_iters:
+            if k < batches:
                 total += loss.double()
         if world_size > 1:
             dist.all_reduce(total)
-        out[split] = (total / eval_iters).item()
+        out[split] = (total / batches).item()
     model.train()
     return out
 
@@ -433,7 +435,7 @@ while True:
         group["lr"] = lr
     if iter_num % eval_interval == 0 or iter_num == max_iters or eval_only:
         report_last_step()  # (a non-finite step exits before anything is saved)
-        losses = estimate_loss() if eval_iters else None  # eval_iters=0: no evaluation
+        losses = estimate_loss(eval_iters) if eval_iters else None  # eval_iters=0: no evaluation
         if master and losses:
             print(f"step {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
             log_metrics(iter=iter_num, train_loss=losses["train"], val_loss=losses["val"],
@@ -446,9 +448,11 @@ while True:
         # with no evaluation (eval_iters=0) there is no val loss to improve: save at every eval_interval
         if keep_checkpoints and iter_num > start_iter and (improved or always_save_checkpoint or losses is None):
             # a step with a finite loss can still leave weights that are, or that compute, nan or
-            # inf (a huge learning rate): such a checkpoint would replace the good ones
-            if not (losses is None or all(map(math.isfinite, losses.values()))) or not weights_finite(model):
-                fail(f"the model is not finite at iteration {iter_num} (evaluation: {losses}): nothing "
+            # inf (a huge learning rate): such a checkpoint would replace the good ones. Without an
+            # evaluation, one batch per split says whether the weights compute finite losses
+            checked = losses or estimate_loss(1)
+            if not all(map(math.isfinite, checked.values())) or not weights_finite(model):
+                fail(f"the model is not finite at iteration {iter_num} (losses {checked}): nothing "
                      f"saved; the last checkpoint in {out_dir} is untouched")
             checkpoint.save(out_dir, model, optimizer, keep=keep_checkpoints, meta=dict(
                 iter_num=iter_num, best_val_loss=best_val_loss, model_args=model_args, config=config,

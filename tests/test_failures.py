@@ -247,6 +247,23 @@ def test_nonfinite_step_read_one_step_late_still_stops_before_the_save(tiny_args
     assert [row["iter"] for row in load_metrics(tmp_path)[0]] == [0]
 
 
+@pytest.mark.parametrize("on_nonfinite", ["stop", "skip"])
+def test_without_evaluation_a_model_that_computes_nan_is_not_saved(tiny_args, tmp_path, on_nonfinite):
+    """eval_iters=0 saves at every eval_interval with no evaluation loss to look at: the first step
+    at a huge learning rate has a finite loss but leaves finite weights that compute nan, and the
+    checkpoints saved from them replaced the good ones (under 'skip' the run even ended with 0)."""
+    res = run_train(tmp_path, 1, *tiny_args, "--eval_iters=0", "--eval_interval=2", "--max_iters=4")
+    assert res.returncode == 0, res.describe()
+    before = {p.name: p.read_bytes() for p in (tmp_path / "ckpt-0000004").iterdir()}
+    bad = ["--learning_rate=1e9", "--warmup_iters=0", "--decay_lr=False", "--grad_clip=0.0"]
+    res = run_train(tmp_path, 1, *tiny_args, "--eval_iters=0", "--eval_interval=1", "--max_iters=8", "--init_from=resume",
+                    f"--on_nonfinite={on_nonfinite}", *bad)
+    assert "the model is not finite at iteration 5" in one_error_line(res)
+    assert sorted(p.name for p in tmp_path.glob("ckpt-*")) == ["ckpt-0000002", "ckpt-0000004"]
+    assert (tmp_path / "latest").read_text() == "ckpt-0000004"
+    assert {p.name: p.read_bytes() for p in (tmp_path / "ckpt-0000004").iterdir()} == before
+
+
 def test_skipping_nonfinite_steps_gives_up_on_a_diverged_model(args, tmp_path):
     bad = ["--learning_rate=1e9", "--warmup_iters=0", "--decay_lr=False", "--grad_clip=0.0", "--on_nonfinite=skip"]
     res = run_train(tmp_path / "eval", 1, *args, "--dist_backend=custom_fsdp", "--max_iters=3", *bad)
@@ -323,7 +340,9 @@ def test_pruning_keeps_the_checkpoints_saved_last(tmp_path):
     (["--warmup_iters=10", "--lr_decay_iters=10"], "needs warmup_iters < lr_decay_iters"),
     (["--min_lr=1.0"], "min_lr <= learning_rate"),
     (["--eval_only=True", "--eval_iters=0"], "eval_only=True needs eval_iters > 0"),
-    (["--seed=-5"], "seed=-5 is negative"),
+    (["--seed=-5"], "seed=-5 is outside 0..2**44-1"),
+    (["--seed=17592186044416"], "seed=17592186044416 is outside 0..2**44-1"),  # (2**44: a traceback in the init)
+    (["--out_dir="], "out_dir is empty"),  # (it passed the writable check, then failed creating '')
     (["--malloc_mmap_threshold_mb=64"], "malloc_mmap_threshold_mb=64 is outside 0..32"),
     (["--block_size=200000"], "too few for block_size=200000"),  # (the val split has about 110,000)
     (["--device=tpu"], "unknown device 'tpu' (choose cpu, cuda or cuda:N)"),
@@ -333,7 +352,7 @@ def test_pruning_keeps_the_checkpoints_saved_last(tmp_path):
     (["--dist_timeout_s=0"], "dist_timeout_s=0 must be at least 1"),
     (["--n_embd=0"], "n_embd=0 must be at least 1")],  # (0 divides by any n_head: it failed in the model)
     ids=["accumulation", "eval_interval", "heads", "cuda", "decay_before_warmup_ends", "min_lr_above_peak",
-         "eval_only_without_batches", "negative_seed", "mmap_threshold_above_32", "block_longer_than_the_data",
+         "eval_only_without_batches", "negative_seed", "seed_past_64_bits", "empty_out_dir", "mmap_threshold_above_32", "block_longer_than_the_data",
          "unknown_device", "negative_grad_clip", "dropout_of_one", "beta_above_one", "no_timeout", "no_width"])
 def test_impossible_settings_are_refused(args, tmp_path, setting, named):
     if "cuda" in setting[0] and __import__("torch").cuda.is_available():
