@@ -8,7 +8,7 @@ Checkpoints: one format for every backend and every world size.
                             world size, and every file's size and CRC32.
     out_dir/latest          the name of the newest complete checkpoint, replaced atomically.
 
-A crash mid-save leaves a `*.tmp` directory and `latest` still naming the previous checkpoint.
+A crash mid-save leaves a `*.tmp` directory (removed by the next save) and `latest` still naming the previous checkpoint.
 `python checkpoint.py OUT_DIR` exports the latest one as a single OUT_DIR/ckpt.pt.
 """
 import json
@@ -109,10 +109,14 @@ def _by_save_time(out_dir):
 
 
 def _prune(out_dir, keep, count):
-    """Keep checkpoint `keep` (just saved) and the count-1 others saved last."""
+    """Keep checkpoint `keep` (just saved) and the count-1 others saved last; remove what saves cut
+    short by a crash left (`*.tmp`: never loadable, and otherwise kept until that iteration is saved again)."""
     others = [d for d in _by_save_time(out_dir) if d != keep]
     for old in others[:max(0, len(others) - (count - 1))]:
         shutil.rmtree(os.path.join(out_dir, old))
+    for name in os.listdir(out_dir):
+        if name.startswith("ckpt-") and name.endswith(".tmp"):
+            shutil.rmtree(os.path.join(out_dir, name), ignore_errors=True)
 
 
 def holds_checkpoints(out_dir):

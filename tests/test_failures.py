@@ -319,13 +319,16 @@ def test_a_restart_after_a_first_save_cut_before_its_commit_says_how_to_resume(a
 
 def test_pruning_keeps_the_checkpoints_saved_last(tmp_path):
     """Resumed from an older checkpoint, a run saves lower iteration numbers than ones already
-    there: the checkpoint just saved must stay (by name it would have been the first to go)."""
+    there: the checkpoint just saved must stay (by name it would have been the first to go). What
+    a crashed save left goes."""
     sys.path.insert(0, str(REPO))
     import checkpoint
     for age, name in enumerate(["ckpt-0000004", "ckpt-0000008", "ckpt-0000006"]):  # in save order
         (tmp_path / name).mkdir()
         (tmp_path / name / "manifest.json").write_text("{}")
         os.utime(tmp_path / name / "manifest.json", (1000 + age, 1000 + age))
+    (tmp_path / "ckpt-0000010.tmp").mkdir()  # a save a crash cut short
+    (tmp_path / "ckpt-0000010.tmp" / "__0_0.distcp").write_text("")
     checkpoint._prune(str(tmp_path), keep="ckpt-0000006", count=2)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-0000006", "ckpt-0000008"]
     checkpoint._prune(str(tmp_path), keep="ckpt-0000006", count=1)
