@@ -8,7 +8,8 @@ Checkpoints: one format for every backend and every world size.
                             world size, and every file's size and CRC32.
     out_dir/latest          the name of the newest complete checkpoint, replaced atomically.
 
-A crash mid-save leaves a `*.tmp` directory (removed by the next save) and `latest` still naming the previous checkpoint.
+A crash mid-save leaves a `*.tmp` directory (removed by the next save) and `latest` still naming
+the previous checkpoint.
 `python checkpoint.py OUT_DIR` exports the latest one as a single OUT_DIR/ckpt.pt.
 """
 import json

@@ -30,7 +30,7 @@ from model import GPT, GPT2_MODELS, GPTConfig, load_pretrained_gpt2
 # I/O
 out_dir = "out"
 eval_interval = 250
-eval_iters = 20  # batches per split in each evaluation; 0 skips it (and saves at every eval_interval, after a one-batch check)
+eval_iters = 20  # batches per split in each evaluation; 0 skips it (and saves at every eval_interval)
 log_interval = 10
 eval_only = False  # evaluate the model as loaded (scratch, resume or gpt2) once, and exit
 always_save_checkpoint = True  # else only when the validation loss improves
