@@ -34,6 +34,7 @@ import sys
 import time
 
 from backends import BACKENDS
+from compare import WARMUP_STEPS
 from fsdp_impl import overlap
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -43,7 +44,6 @@ DEFAULTS = ["--n_layer=4", "--n_head=4", "--n_embd=256", "--batch_size=8", "--bl
             "--eval_iters=0", "--log_interval=1000000", "--keep_checkpoints=0",
             "--dropout=0.0", "--compile=False"]
 HOST_PHASES = ("forward_backward", "clip", "optimizer")  # the phases train.py times (host_ms)
-WARMUP_STEPS = 2  # the first steps of a run, left out of its medians
 
 
 def split_row(row):
@@ -90,7 +90,7 @@ def at_step_ms(figures, step_ms):
             "mfu": None if figures["mfu"] is None else figures["mfu"] * scale}
 
 
-def summarize_run(rows):
+def summarize_run(rows, backend):
     steps = [r for r in rows if "loss" in r][WARMUP_STEPS:]
     memory = {r["stage"]: r for r in rows if r.get("event") == "memory"}
     comm = next(r for r in rows if r.get("event") == "comm_per_step")
@@ -105,7 +105,9 @@ def summarize_run(rows):
         "state_mb": end["params_mb"] + end["grads_mb"] + end["optim_mb"],  # the model's state per rank
         "all_gather_mb": comm["all_gather_bytes"] / 2**20,
         "reduce_scatter_mb": comm["reduce_scatter_bytes"] / 2**20,  # the reduce-scatter's input
-        "all_reduce_mb": comm["all_reduce_bytes"] / 2**20,
+        # ddp's gradient all-reduce runs in its C++ reducer, out of the counter's sight: every
+        # gradient once per step, so its size is added to the loss's all-reduce the counter saw
+        "all_reduce_mb": comm["all_reduce_bytes"] / 2**20 + (end["grads_mb"] if backend == "ddp" else 0.0),
         "loss": [r["loss"] for r in rows if "loss" in r][-1],
         # the training thread's CPU time per phase (train.py's host_ms): on a GPU, the host's own work
         "host_ms": {p: statistics.median(r["host_ms"].get(p, 0.0) for r in steps) for p in HOST_PHASES},
@@ -155,9 +157,11 @@ def print_table(table):
         if row["exposed_by_place"]:
             print(f"{b}: exposed communication ms per step, by where it went: "
                   + ", ".join(f"{place} {ms:.1f}" for place, ms in row["exposed_by_place"].items()))
-    if "ddp" in table:
-        print("ddp's gradient all-reduces run inside its C++ reducer, which the counter does not see: "
-              "per step they move the gradient bytes once (with AdamW, a quarter of its params+grads+optim MB).")
+    print("AG and RS MB/step: the size of each all-gather's output and each reduce-scatter's input (nccl-tests' "
+          "size of a collective), summed; each rank sends (W-1)/W of it.")
+    if any(split_row(b)[0] == "ddp" for b in table):
+        print("ddp's AR MB/step: its gradients, which its C++ reducer all-reduces once per step out of the "
+              "counter's sight (taken from their size), and the loss's all-reduce.")
 
 
 def paired_step_ratios(results):
@@ -178,7 +182,7 @@ def bench_backends(args, extra):
     for rep in range(args.repeats):
         for b in args.backends:  # interleaved
             out = run_dir(args, b, f"r{rep}")
-            results[b].append(summarize_run(run_train(b, args.nproc, out, args.steps, extra)))
+            results[b].append(summarize_run(run_train(b, args.nproc, out, args.steps, extra), split_row(b)[0]))
             print(f"  repeat {rep} {b}: {results[b][-1]['step_ms']:.1f} ms/step", flush=True)
     table = {b: median_of(runs) | {"exposed_comm_ms": None, "comm_ms": None, "hidden_fraction": None,
                                    "exposed_by_place": None} for b, runs in results.items()}
@@ -204,7 +208,7 @@ def sweep(args, extra):
     for b in args.backends:
         for w in (1, 2, 4):
             run = summarize_run(run_train(b, w, run_dir(args, b, f"w{w}"), args.steps,
-                                          ["--gradient_accumulation_steps=4"] + extra))
+                                          ["--gradient_accumulation_steps=4"] + extra), split_row(b)[0])
             out[f"{b}-w{w}"] = run
             base = out[f"{b}-w1"]
             print(f"  {b:12} W={w}: params+grads+optim {fmt(run['state_mb'], base['state_mb'])} MB, "

@@ -5,7 +5,8 @@ Compare training runs from their metrics.jsonl logs.
 
 Plots train and val loss against iteration, one curve per run, and prints a
 table: final losses, the largest loss gap to the first run (over iterations both
-logged), median tokens/s and peak memory. The overall max gap between any two
+logged), tokens/s at the median step time (the first steps, warm-up, left out, as in
+bench.py) and peak memory. The overall max gap between any two
 runs is printed last: for runs that should be numerically equivalent (e.g. two
 parallelism backends from the same seed) it should be ~0.
 """
@@ -17,6 +18,7 @@ import statistics
 import sys
 
 TRAIN_KEYS = ("iter", "loss")
+WARMUP_STEPS = 2  # a run's first steps (compilation, first allocations): left out of its medians (bench.py too)
 EVAL_KEYS = ("iter", "val_loss")
 
 
@@ -73,19 +75,27 @@ def max_loss_diff(rows_a, rows_b, key="loss"):
     return math.nan if any(math.isnan(d) for d in diffs) else max(diffs)
 
 
+def median_step_tokens_per_sec(rows):
+    """Tokens/s at the median step time (a median of tokens/s would invert a mean of the middle two)."""
+    if not rows:
+        return None
+    tokens = rows[0]["tokens_per_sec"] * rows[0]["dt_ms"] / 1000  # per step
+    return tokens / (statistics.median(r["dt_ms"] for r in rows) / 1000)
+
+
 def summarize(runs):
     """runs: list of (name, train_rows, eval_rows); the first is the reference. -> list of dicts."""
     ref_train = runs[0][1] if runs else []
     out = []
     for name, train, evals in runs:
-        tps = [r["tokens_per_sec"] for r in train if r.get("tokens_per_sec") is not None]
+        timed = [r for r in train if r.get("dt_ms") and r.get("tokens_per_sec") is not None][WARMUP_STEPS:]
         mem = [r["peak_mem_mb"] for r in train if r.get("peak_mem_mb") is not None]
         out.append({
             "run": name,
             "final_train_loss": train[-1]["loss"] if train else None,
             "final_val_loss": evals[-1]["val_loss"] if evals else None,
             "max_diff_vs_first": max_loss_diff(ref_train, train),
-            "median_tokens_per_sec": statistics.median(tps) if tps else None,
+            "median_tokens_per_sec": median_step_tokens_per_sec(timed),
             "peak_mem_mb": max(mem) if mem else None,
         })
     return out

@@ -130,11 +130,13 @@ def test_summarize_run_fields_and_medians():
              {"event": "memory", "stage": "after last step", "rss_mb": 321.0, "params_mb": 2.0, "grads_mb": 1.5, "optim_mb": 4.0},
              {"event": "comm_per_step", "all_gather_bytes": 2**21, "reduce_scatter_bytes": 2**20,
               "all_reduce_bytes": 4.0, "all_gather_count": 9, "reduce_scatter_count": 5, "all_reduce_count": 1}]
-    s = bench.summarize_run(rows)
+    s = bench.summarize_run(rows, "custom_fsdp")
     assert s["step_ms"] == 20.0  # median of the steps after the first two (warm-up)
     assert s["tokens_per_sec"] == pytest.approx(1000.0 / 20.0)
     assert s["mfu"] is None and s["peak_mem_mb"] == 321.0 and s["state_mb"] == 7.5  # params, grads, AdamW
-    assert s["all_gather_mb"] == 2.0 and s["reduce_scatter_mb"] == 1.0
+    assert s["all_gather_mb"] == 2.0 and s["reduce_scatter_mb"] == 1.0 and s["all_reduce_mb"] == 4.0 / 2**20
+    # ddp's gradient all-reduce, which the counter cannot see, is its gradients' size (the loss's beside it)
+    assert bench.summarize_run(rows, "ddp")["all_reduce_mb"] == 1.5 + 4.0 / 2**20
     assert s["loss"] == pytest.approx(3.6)
     assert s["host_ms"] == {"forward_backward": 10.0, "clip": 1.0, "optimizer": 2.0}  # medians per phase
     assert s["page_faults"] == 60.0 and s["cpu_ms"] == 40.0
@@ -144,7 +146,8 @@ def test_summarize_run_fields_and_medians():
 
 @pytest.mark.parametrize("device,dtype,peak", [
     ("NVIDIA H100 80GB HBM3", "bfloat16", 989e12), ("NVIDIA H100 80GB HBM3", "float32", 494.5e12),
-    ("NVIDIA H100 PCIe", "bfloat16", 756e12), ("NVIDIA H200", "float16", 989e12),
+    ("NVIDIA H100 PCIe", "bfloat16", 756e12), ("NVIDIA H100 NVL", "bfloat16", 835.5e12),
+    ("NVIDIA H100 NVL", "float32", 417.5e12), ("NVIDIA H200", "float16", 989e12),
     ("NVIDIA A100-SXM4-40GB", "float32", 156e12), ("NVIDIA GeForce RTX 4090", "bfloat16", None)])
 def test_mfu_divides_by_the_peak_of_the_runs_dtype(device, dtype, peak):
     """float32 matmuls run on TF32 tensor cores, at half the bf16 peak: against the bf16 peak
@@ -160,7 +163,7 @@ def test_tokens_per_sec_and_mfu_describe_the_median_step():
              "host_ms": {}, "page_faults": 0, "cpu_ms": 0.0} for i, dt in enumerate([900.0, 500.0, 20.0, 40.0])]
     rows += [{"event": "memory", "stage": "after last step", "rss_mb": 1.0, "params_mb": 0, "grads_mb": 0, "optim_mb": 0},
              {"event": "comm_per_step", "all_gather_bytes": 0, "reduce_scatter_bytes": 0, "all_reduce_bytes": 0}]
-    s = bench.summarize_run(rows)
+    s = bench.summarize_run(rows, "fsdp")
     assert s["step_ms"] == 30.0
     assert s["tokens_per_sec"] == pytest.approx(1000.0 / 30.0) and s["mfu"] == pytest.approx(0.6 / 30.0)
     runs = [s, s | bench.at_step_ms(s, 60.0)]
@@ -178,7 +181,7 @@ def test_table_prints_ratios_and_reserved_memory_on_cuda(cuda, capsys):
                 "host_ms": {"forward_backward": step_ms / 3, "clip": 0.5, "optimizer": peak / 3000},
                 "page_faults": peak / 3, "cpu_ms": step_ms * 2}
     bench.print_table({"ddp": row(30.0, 9000.0, 9500.0, 1e-6), "custom_fsdp:wrap_policy=model": row(28.5, 8100.0, 8550.0, 2e-6)})
-    header, base, ours, base_host, our_host, ddp_note = capsys.readouterr().out.splitlines()
+    header, base, ours, base_host, our_host, sizes_note, ddp_note = capsys.readouterr().out.splitlines()
     assert ("reserved MB" in header) == cuda
     assert ours.startswith("custom_fsdp:wrap_policy=model |") and "28.5 (0.95x)" in ours and "8,100.0 (0.90x)" in ours
     assert ("8,550.0 (0.90x)" in ours) == cuda
@@ -188,7 +191,8 @@ def test_table_prints_ratios_and_reserved_memory_on_cuda(cuda, capsys):
                          "page faults per step 3,000")
     assert our_host.endswith("forward_backward 9.5 (0.95x), clip 0.5 (1.00x), optimizer 2.7 (0.90x); rank 0's "
                              "process (all threads) CPU ms per step 57.0 (0.95x), page faults per step 2,700")
-    assert ddp_note.startswith("ddp's gradient all-reduces")
+    assert sizes_note.startswith("AG and RS MB/step: the size of each all-gather's output")
+    assert ddp_note.startswith("ddp's AR MB/step: its gradients")
 
 
 def test_table_says_where_exposed_communication_went(capsys):
@@ -198,8 +202,9 @@ def test_table_says_where_exposed_communication_went(capsys):
            "cpu_ms": 1.0, "exposed_by_place": {"fsdp::reduce_scatter_wait h.0": 9.75, overlap.OUTSIDE: 1.25}}
     bench.print_table({"custom_fsdp": row, "fsdp": row | {"exposed_by_place": {}}})
     lines = capsys.readouterr().out.splitlines()
-    assert lines[-1] == ("custom_fsdp: exposed communication ms per step, by where it went: "
+    assert lines[-2] == ("custom_fsdp: exposed communication ms per step, by where it went: "
                          "fsdp::reduce_scatter_wait h.0 9.8, (outside any range) 1.2")
+    assert not any(line.startswith("ddp's AR") for line in lines)  # (no ddp row: no ddp note)
     assert not any(line.startswith("fsdp: exposed") for line in lines)  # nothing exposed: no line
 
 

@@ -13,13 +13,13 @@ sys.path.insert(0, str(REPO))
 import compare  # noqa: E402
 
 
-def write_run(d, train_losses, val_losses, tps, mem, extra_lines=()):
+def write_run(d, train_losses, val_losses, dt_ms, mem, extra_lines=()):
     d.mkdir(parents=True)
     with open(d / "metrics.jsonl", "w") as f:
         f.write(json.dumps({"event": "start", "config": {"n_layer": 2}}) + "\n")
         for i, loss in train_losses.items():
-            f.write(json.dumps({"iter": i, "loss": loss, "grad_norm": 1.0, "lr": 1e-3, "dt_ms": 10.0,
-                                "tokens_per_sec": tps[i], "mfu": 0.1, "peak_mem_mb": mem[i]}) + "\n")
+            f.write(json.dumps({"iter": i, "loss": loss, "grad_norm": 1.0, "lr": 1e-3, "dt_ms": dt_ms[i],
+                                "tokens_per_sec": 1000 / (dt_ms[i] / 1000), "mfu": 0.1, "peak_mem_mb": mem[i]}) + "\n")
         for i, loss in val_losses.items():
             f.write(json.dumps({"iter": i, "train_loss": loss + 0.01, "val_loss": loss}) + "\n")
         for line in extra_lines:
@@ -28,11 +28,12 @@ def write_run(d, train_losses, val_losses, tps, mem, extra_lines=()):
 
 def make_runs(tmp_path):
     a, b = tmp_path / "run_a", tmp_path / "run_b"
+    # 1,000 tokens per step; the first two steps (warm-up) are the slowest and count in no median
     write_run(a, {0: 4.0, 10: 3.5, 20: 3.0}, {0: 4.1, 20: 3.2},
-              tps={0: 100.0, 10: 300.0, 20: 200.0}, mem={0: 50.0, 10: 75.5, 20: 60.0})
+              dt_ms={0: 900.0, 10: 400.0, 20: 5.0}, mem={0: 50.0, 10: 75.5, 20: 60.0})
     # run_b differs by 0.25 at iter 10; iter 30 exists only in b and must not count
     write_run(b, {0: 4.0, 10: 3.25, 20: 3.125, 30: 9.0}, {0: 4.1, 20: 3.3},
-              tps={0: 10.0, 10: 20.0, 20: 30.0, 30: 40.0}, mem={0: 1.0, 10: 2.0, 20: 3.0, 30: 2.5},
+              dt_ms={0: 900.0, 10: 400.0, 20: 10.0, 30: 40.0}, mem={0: 1.0, 10: 2.0, 20: 3.0, 30: 2.5},
               extra_lines=['{"event": "done"}', "", '{"iter": 5}', "not json", '{"iter": 40, "loss": 1.0'])
     return a, b
 
@@ -49,7 +50,9 @@ def test_load_and_summarize(tmp_path):
     assert s[1]["max_diff_vs_first"] == 0.25
     assert s[0]["final_train_loss"] == 3.0 and s[1]["final_train_loss"] == 9.0
     assert s[0]["final_val_loss"] == 3.2 and s[1]["final_val_loss"] == 3.3
-    assert s[0]["median_tokens_per_sec"] == 200.0 and s[1]["median_tokens_per_sec"] == 25.0
+    # tokens/s at the median of the steps past warm-up: 5 ms; 25 ms (not the 62,500 that the median of
+    # 100,000 and 25,000 tokens/s would say)
+    assert s[0]["median_tokens_per_sec"] == pytest.approx(200_000) and s[1]["median_tokens_per_sec"] == pytest.approx(40_000)
     assert s[0]["peak_mem_mb"] == 75.5 and s[1]["peak_mem_mb"] == 3.0
 
 
@@ -105,13 +108,14 @@ def test_a_resumed_run_counts_the_rows_of_its_last_attempt(tmp_path):
     is gone, in the curves, the medians and the peaks."""
     d = tmp_path / "resumed"
     write_run(d, {0: 4.0, 10: 3.5, 20: 3.0, 30: 2.5}, {0: 4.1, 10: 3.6, 30: 2.6},
-              tps={0: 100.0, 10: 900.0, 20: 900.0, 30: 900.0}, mem={0: 50.0, 10: 999.0, 20: 999.0, 30: 999.0})
+              dt_ms={0: 1.0, 10: 1.0, 20: 1.0, 30: 1.0}, mem={0: 50.0, 10: 999.0, 20: 999.0, 30: 999.0})
     with open(d / "metrics.jsonl", "a") as f:  # the resumed attempt's lines, appended
         f.write(json.dumps({"iter": 10, "train_loss": 3.7, "val_loss": 3.65}) + "\n")
         for i, loss in ((10, 3.4), (20, 2.9)):
-            f.write(json.dumps({"iter": i, "loss": loss, "tokens_per_sec": 100.0, "peak_mem_mb": 60.0}) + "\n")
+            f.write(json.dumps({"iter": i, "loss": loss, "dt_ms": 10.0, "tokens_per_sec": 100_000.0,
+                                "peak_mem_mb": 60.0}) + "\n")
     train, evals = compare.load_metrics(d)
     assert [(r["iter"], r["loss"]) for r in train] == [(0, 4.0), (10, 3.4), (20, 2.9)]
     assert [(r["iter"], r["val_loss"]) for r in evals] == [(0, 4.1), (10, 3.65)]
     s = compare.summarize([("resumed", train, evals)])[0]
-    assert s["median_tokens_per_sec"] == 100.0 and s["peak_mem_mb"] == 60.0 and s["final_train_loss"] == 2.9
+    assert s["median_tokens_per_sec"] == 100_000.0 and s["peak_mem_mb"] == 60.0 and s["final_train_loss"] == 2.9
