@@ -28,9 +28,9 @@ from fsdp_impl import comm
 
 PROFILE_STEPS = (2, 5)  # the run's steps [2, 5), counting from 0: past warm-up, few enough
 # dense tensor-core peaks in FLOP/s: (bf16 or fp16, TF32, which float32 matmuls run on with
-# allow_tf32); the PCIe H100 before the SXM one, whose name it contains
-PEAK_FLOPS = (("A100", 312e12, 156e12), ("H100 PCIe", 756e12, 378e12), ("H100", 989e12, 494.5e12),
-              ("H200", 989e12, 494.5e12))
+# allow_tf32); the PCIe and NVL H100s before the SXM one, whose name theirs contain
+PEAK_FLOPS = (("A100", 312e12, 156e12), ("H100 PCIe", 756e12, 378e12), ("H100 NVL", 835.5e12, 417.5e12),
+              ("H100", 989e12, 494.5e12), ("H200", 989e12, 494.5e12))
 
 
 def rss_mb():
