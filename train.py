@@ -507,13 +507,15 @@ while True:
                 print(f"iter {iter_num}: non-finite loss {loss_total / world_size} or grad norm {grad_norm}: step skipped")
                 log_metrics(iter=iter_num, event="skipped_nonfinite")
     comm.add_step()  # (the memory reports' own all-reduce is not training traffic)
-    # before zero_grad, so that the gradients are counted beside the parameters and optimizer state;
-    # its time (an all-reduce, a walk over the state) is left out of the step's
+    # memory reports before zero_grad, so that the gradients are counted beside the parameters and
+    # optimizer state; their time (an all-reduce, a walk over the state) is left out of the step's. The
+    # last one holds the training peak, before the final evaluation and save
+    stages = [stage for stage, due in (("after first step", len(memory_rows) == 1),
+                                       ("after last step", iter_num == max_iters - 1)) if due]
+    if stages and device_type == "cuda":
+        torch.cuda.synchronize()  # (a report waits for the device: what this step queued is in its time)
     report_s = time.time()
-    if len(memory_rows) == 1:
-        memory_rows.append(obs.memory("after first step", model, optimizer))
-    if iter_num == max_iters - 1:  # the training peak, before the final evaluation and save
-        memory_rows.append(obs.memory("after last step", model, optimizer))
+    memory_rows += [obs.memory(stage, model, optimizer) for stage in stages]
     report_s = time.time() - report_s
     optimizer.zero_grad(set_to_none=True)
     if trim_heap_each_step:
