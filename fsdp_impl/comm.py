@@ -175,7 +175,7 @@ def _post(kind, sends, recvs, group):
         _channels[group] = shm.connect(group, lambda s, r: post_messages(kind, s, r, group), shared_memory)
     if _channels[group] is not None:  # one host: the bytes go through shared memory (shm.py), not TCP
         with profiled(f"shm:{kind}"):  # (a communication range for fsdp_impl.overlap, as gloo's are)
-            _channels[group].transfer(sends, recvs)
+            _channels[group].transfer(sends, recvs, TAGS[kind])
         return []
     return post_messages(kind, sends, recvs, group)
 

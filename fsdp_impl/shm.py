@@ -14,8 +14,9 @@ one stream of bytes each way. Both ends agree on their sizes, as they do for glo
 posting thread runs the exchanges one at a time, in the order they were issued. Every rank issues
 the same collectives in the same order (NCCL asks the same of FSDP2; across groups too, since one
 thread runs them all), so both ends of a channel walk through its slots in the same order. Each
-slot carries its exchange's number and size, which the receiver checks: ranks that issued
-different collectives get an error, not each other's bytes.
+slot carries its exchange's number, tag (the kind of collective, as gloo's message tags tell them
+apart) and size, which the receiver checks: ranks that issued different collectives get an error,
+not each other's bytes.
 
 The ranks connect at their first exchange on a group, with gloo messages (connect). A group uses
 shared memory only if every rank of it can open every peer's channel files, which means one host.
@@ -36,7 +37,8 @@ import torch.distributed as dist
 
 SLOTS, SLOT_BYTES = 2, 1 << 20  # 1 MB: smaller or larger slots measured slower (IMPLEMENTATION.md)
 _SEM_BYTES = 64  # room for one sem_t (32 bytes on 64-bit glibc)
-_LABELS = 2 * _SEM_BYTES  # then two int64 per slot: its exchange's number and size, which the receiver checks
+_LABELS = 2 * _SEM_BYTES  # then three int64 per slot: its exchange's number, tag and size, which the receiver checks
+_LABEL = 3
 _HEADER = 4096  # the slots start on a page of their own
 _FILE_BYTES = _HEADER + SLOTS * SLOT_BYTES
 
@@ -101,7 +103,7 @@ class _Channel:
             raise
         finally:
             os.close(fd)
-        self.labels = (ctypes.c_int64 * (2 * SLOTS)).from_buffer(self._map, _LABELS)
+        self.labels = (ctypes.c_int64 * (_LABEL * SLOTS)).from_buffer(self._map, _LABELS)
         self.slots = [base + _HEADER + i * SLOT_BYTES for i in range(SLOTS)]
         self.used = 0  # slots used so far; both ends count alike
 
@@ -148,44 +150,46 @@ class Channels:
         self.exchanges = 0  # exchanges so far; every rank of the group counts alike
         self.failed = None  # the error that left the channels out of step: later exchanges raise at once
 
-    def transfer(self, sends, recvs):
-        """Move one exchange: (peer, tensor) pairs to send and to receive, in an order both ends share."""
+    def transfer(self, sends, recvs, tag=0):
+        """Move one exchange: (peer, tensor) pairs to send and to receive, in an order both ends share;
+        `tag` tells the kinds of collective apart (an all-gather and a reduce-scatter of one unit move
+        as many bytes)."""
         if self.failed is not None:
             raise RuntimeError("fsdp_impl: an earlier exchange on this group failed") from self.failed
         self.exchanges += 1
         outs = {p: _Stream([t for q, t in sends if q == p]) for p in self.outgoing}
         ins = {p: _Stream([t for q, t in recvs if q == p]) for p in self.incoming}
         try:
-            self._send_a_slot(outs)  # one slot ahead, so both slots of a channel are in use
+            self._send_a_slot(outs, tag)  # one slot ahead, so both slots of a channel are in use
             while any(s.left for s in ins.values()) or any(s.left for s in outs.values()):
-                self._send_a_slot(outs)
+                self._send_a_slot(outs, tag)
                 for peer, stream in ins.items():
                     if stream.left:
-                        self._receive_a_slot(peer, stream)
+                        self._receive_a_slot(peer, stream, tag)
         except BaseException as e:
             self.failed = e
             raise
 
-    def _send_a_slot(self, outs):
+    def _send_a_slot(self, outs, tag):
         for peer, stream in outs.items():
             if stream.left:
                 channel = self.outgoing[peer]
                 self._wait(channel.free, peer)
                 slot = channel.used % SLOTS
-                channel.labels[2 * slot], channel.labels[2 * slot + 1] = self.exchanges, stream.total
+                channel.labels[_LABEL * slot:_LABEL * (slot + 1)] = self.exchanges, tag, stream.total
                 stream.move(channel.slots[slot], min(SLOT_BYTES, stream.left), into_slot=True)
                 channel.used += 1
                 _check(_lib.sem_post(channel.filled), "sem_post")
 
-    def _receive_a_slot(self, peer, stream):
+    def _receive_a_slot(self, peer, stream, tag):
         channel = self.incoming[peer]
         self._wait(channel.filled, peer)
         slot = channel.used % SLOTS
-        sent = channel.labels[2 * slot], channel.labels[2 * slot + 1]
-        if sent != (self.exchanges, stream.total):
-            raise RuntimeError(f"fsdp_impl: rank {peer} of the group sent {sent[1]} bytes in its exchange {sent[0]} "
-                               f"where this rank expects {stream.total} in its exchange {self.exchanges}: the "
-                               "ranks issued different collectives")
+        number, sent_tag, size = channel.labels[_LABEL * slot:_LABEL * (slot + 1)]
+        if (number, sent_tag, size) != (self.exchanges, tag, stream.total):
+            raise RuntimeError(f"fsdp_impl: rank {peer} of the group sent {size} bytes in its exchange {number} (tag "
+                               f"{sent_tag}) where this rank expects {stream.total} in its exchange {self.exchanges} "
+                               f"(tag {tag}): the ranks issued different collectives")
         stream.move(channel.slots[slot], min(SLOT_BYTES, stream.left), into_slot=False)
         channel.used += 1
         _check(_lib.sem_post(channel.free), "sem_post")

@@ -47,12 +47,12 @@ def stream(sender, receiver, numel=None):
             + [torch.randint(0, 200, (n,), generator=g).to(dtypes[i % len(dtypes)]) for i, n in enumerate(sizes)])
 
 
-def exchange(channels, me, peers, numel=None, expected_from=None):
+def exchange(channels, me, peers, numel=None, expected_from=None, tag=0):
     """One transfer of the streams above; True if every received tensor is the sender's, bit for bit."""
     sends = [(p, t) for p in peers for t in stream(me, p, numel)]
     expected = [(p, t) for p in peers for t in stream(p, me, (expected_from or {}).get(p, numel))]
     recvs = [(p, torch.full_like(t, 255)) for p, t in expected]
-    channels.transfer(sends, recvs)
+    channels.transfer(sends, recvs, tag)
     return all(torch.equal(r, e) for (_, r), (_, e) in zip(recvs, expected))
 
 
@@ -114,6 +114,10 @@ def main():
     channels = shm.connect(group, poster(group))
     short = {0: [100]} if rank != 0 else None
     mine["size_mismatch"] = attempt(lambda: exchange(channels, rank, peers, numel=[96], expected_from=short))
+
+    group = dist.new_group(list(range(world)))  # as many bytes, but rank 0's exchange is of another kind
+    channels = shm.connect(group, poster(group))
+    mine["other_kind"] = attempt(lambda: exchange(channels, rank, peers, numel=[96], tag=1 if rank == 0 else 2))
 
     group = dist.new_group(list(range(world)))  # the same 3 MB in all, cut into other exchanges by rank 0
     channels = shm.connect(group, poster(group))

@@ -59,7 +59,20 @@ def test_ranks_that_issue_different_collectives_get_an_error_not_wrong_bytes(rep
     for r in ranks[1:]:
         raised = r["size_mismatch"]
         assert raised["raised"] == "RuntimeError", raised
-        assert "rank 0 of the group sent 384 bytes in its exchange 1 where this rank expects 400" in raised["message"]
+        assert "rank 0 of the group sent 384 bytes in its exchange 1 (tag 0) where this rank expects 400" \
+            in raised["message"]
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_collectives_of_different_kinds_and_sizes_alike_are_an_error_not_swapped_bytes(report, world):
+    """Rank 0 runs an exchange of another kind (tag) than its peers, of as many bytes: an all-gather
+    issued where the peers issued a reduce-scatter of the same unit. Every rank that receives from a
+    rank of the other kind says so (gloo's messages keep them apart by tag)."""
+    for rank, r in enumerate(report(world)):
+        raised = r["other_kind"]
+        assert raised["raised"] == "RuntimeError" and "the ranks issued different collectives" in raised["message"], \
+            (rank, raised)
+        assert ("(tag 2) where this rank expects 384 in its exchange 1 (tag 1)" in raised["message"]) == (rank == 0)
 
 
 @pytest.mark.parametrize("world", WORLDS)
