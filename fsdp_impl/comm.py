@@ -10,6 +10,7 @@ both the communication runs while the caller computes, until the wait.
 events (all-gather issued / waited, forward / backward of a unit, reduce-scatter issued /
 waited, free). Logging costs one `if` per event when off.
 """
+import functools
 import queue
 import threading
 import weakref
@@ -117,16 +118,23 @@ class _PostingThread:
 
     def submit(self, fn, *args):
         future = Future()
-        self.queue.put((future, fn, args))
+        self.queue.put((future, functools.partial(fn, *args)))
         return future
 
     def _run(self):
         while True:
-            future, fn, args = self.queue.get()
+            future, job = self.queue.get()
             try:
-                future.set_result(fn(*args))
+                result, error = job(), None
             except BaseException as e:  # (the caller's wait() raises it)
-                future.set_exception(e)
+                result, error = None, e
+            # dropped before the caller learns it is done: kept until the next job, it kept this job's
+            # tensors alive (after backward, the unsharded gradients of its last reduce-scatter)
+            job = None
+            if error is None:
+                future.set_result(result)
+            else:
+                future.set_exception(error)
 
 
 _poster = None  # the posting thread (see exchange), started by the first exchange

@@ -15,6 +15,7 @@ import os
 import sys
 import time
 import traceback
+import weakref
 from contextlib import nullcontext
 from unittest import mock
 
@@ -89,6 +90,13 @@ def main():
     mine["connected"] = channels is not None
     mine["files_left"] = glob.glob(f"/dev/shm/fsdp_impl-{os.getpid()}-*")
     mine["bytes_match"] = [attempt(lambda: exchange(channels, rank, peers)) for _ in range(3)]  # slots reused
+
+    group = dist.new_group(list(range(world)))  # the tensors of an exchange waited for are the caller's alone
+    piece, full = torch.ones(4), torch.zeros(world, 4)
+    refs = [weakref.ref(piece), weakref.ref(full)]
+    comm.all_gather([full], [piece], group).wait()
+    del piece, full
+    mine["freed_after_wait"] = [ref() is None for ref in refs]
 
     group = dist.new_group(list(range(world)))  # a rank without it: the whole group keeps gloo's messages
     mine["one_rank_unwilling"] = shm.connect(group, poster(group), wanted=rank != world - 1) is None

@@ -42,6 +42,14 @@ def test_streams_arrive_bit_for_bit_and_the_files_are_gone(report, world):
 
 
 @pytest.mark.parametrize("world", WORLDS)
+def test_an_exchange_keeps_no_tensor_once_waited_for(report, world):
+    """The posting thread held its last job's tensors until its next one: after backward, the unsharded
+    gradients of the last reduce-scatter, through the optimizer step."""
+    for rank, r in enumerate(report(world)):
+        assert r["freed_after_wait"] == [True, True], (rank, r["freed_after_wait"])
+
+
+@pytest.mark.parametrize("world", WORLDS)
 def test_a_group_keeps_gloo_messages_unless_every_rank_can_share(report, world):
     """One rank with shared_memory off, one on another machine (its peers' files are not there), or
     one whose /dev/shm is full: the whole group keeps gloo's messages, and the files the others
