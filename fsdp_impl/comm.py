@@ -11,6 +11,7 @@ events (all-gather issued / waited, forward / backward of a unit, reduce-scatter
 waited, free). Logging costs one `if` per event when off.
 """
 import functools
+import os
 import queue
 import threading
 import weakref
@@ -176,6 +177,19 @@ def exchange(kind, nbytes, sends, recvs, group):
 def posting_thread_started():
     """Whether this process posts messages from the posting thread (an exchange has run)."""
     return _poster is not None
+
+
+def _forget_the_posting_thread():
+    """In a forked child: fork copies only the thread that forked, so the parent's posting thread is
+    not there (an exchange would wait for it for ever), and the parent's channels are not the
+    child's to use. Its first exchange starts afresh."""
+    global _poster
+    _poster = None
+    _channels.clear()
+
+
+if hasattr(os, "register_at_fork"):  # (POSIX)
+    os.register_at_fork(after_in_child=_forget_the_posting_thread)
 
 
 def _post(kind, sends, recvs, group):

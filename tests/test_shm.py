@@ -5,6 +5,8 @@ tests/test_fsdp_impl.py's parity suite, which runs on them by default; its `gloo
 gloo's messages there.
 """
 import json
+import os
+import sys
 import time
 
 import pytest
@@ -39,6 +41,21 @@ def test_streams_arrive_bit_for_bit_and_the_files_are_gone(report, world):
         assert r["connected"], (rank, r)
         assert r["bytes_match"] == [True, True, True], (rank, r["bytes_match"])
         assert r["files_left"] == [], (rank, r)
+
+
+def test_a_forked_child_gets_a_posting_thread_of_its_own():
+    """fork copies only the forking thread: the child inherited a posting thread that was not there,
+    and its first exchange waited for it for ever (its channels, the parent's, are dropped too)."""
+    sys.path.insert(0, str(REPO))
+    from fsdp_impl import comm
+    if not comm.posting_thread_started():
+        comm._poster = comm._PostingThread()
+    assert comm._poster.submit(lambda: 1).result(timeout=5) == 1
+    pid = os.fork()
+    if pid == 0:  # the child exits at once: 0 if its first exchange will start a posting thread of its own
+        os._exit(1 if comm.posting_thread_started() else 0)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
 
 
 @pytest.mark.parametrize("world", WORLDS)
