@@ -18,8 +18,8 @@ import statistics
 import sys
 
 TRAIN_KEYS = ("iter", "loss")
-WARMUP_STEPS = 2  # a run's first steps (compilation, first allocations): left out of its medians (bench.py too)
 EVAL_KEYS = ("iter", "val_loss")
+WARMUP_STEPS = 2  # a run's first steps (compilation, first allocations): left out of its medians (bench.py too)
 
 
 def load_metrics(path):

@@ -37,8 +37,8 @@ import torch.distributed as dist
 
 SLOTS, SLOT_BYTES = 2, 1 << 20  # 1 MB: smaller or larger slots measured slower (IMPLEMENTATION.md)
 _SEM_BYTES = 64  # room for one sem_t (32 bytes on 64-bit glibc)
-_LABELS = 2 * _SEM_BYTES  # then three int64 per slot: its exchange's number, tag and size, which the receiver checks
-_LABEL = 3
+_LABELS = 2 * _SEM_BYTES  # then a label per slot, which the receiver checks:
+_LABEL_INTS = 3  # int64s: its exchange's number, tag and size
 _HEADER = 4096  # the slots start on a page of their own
 _FILE_BYTES = _HEADER + SLOTS * SLOT_BYTES
 
@@ -103,7 +103,7 @@ class _Channel:
             raise
         finally:
             os.close(fd)
-        self.labels = (ctypes.c_int64 * (_LABEL * SLOTS)).from_buffer(self._map, _LABELS)
+        self.labels = (ctypes.c_int64 * (_LABEL_INTS * SLOTS)).from_buffer(self._map, _LABELS)
         self.slots = [base + _HEADER + i * SLOT_BYTES for i in range(SLOTS)]
         self.used = 0  # slots used so far; both ends count alike
 
@@ -176,7 +176,7 @@ class Channels:
                 channel = self.outgoing[peer]
                 self._wait(channel.free, peer)
                 slot = channel.used % SLOTS
-                channel.labels[_LABEL * slot:_LABEL * (slot + 1)] = self.exchanges, tag, stream.total
+                channel.labels[_LABEL_INTS * slot:_LABEL_INTS * (slot + 1)] = self.exchanges, tag, stream.total
                 stream.move(channel.slots[slot], min(SLOT_BYTES, stream.left), into_slot=True)
                 channel.used += 1
                 _check(_lib.sem_post(channel.filled), "sem_post")
@@ -185,7 +185,7 @@ class Channels:
         channel = self.incoming[peer]
         self._wait(channel.filled, peer)
         slot = channel.used % SLOTS
-        number, sent_tag, size = channel.labels[_LABEL * slot:_LABEL * (slot + 1)]
+        number, sent_tag, size = channel.labels[_LABEL_INTS * slot:_LABEL_INTS * (slot + 1)]
         if (number, sent_tag, size) != (self.exchanges, tag, stream.total):
             raise RuntimeError(f"fsdp_impl: rank {peer} of the group sent {size} bytes in its exchange {number} (tag "
                                f"{sent_tag}) where this rank expects {stream.total} in its exchange {self.exchanges} "

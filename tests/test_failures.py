@@ -256,8 +256,8 @@ def test_without_evaluation_a_model_that_computes_nan_is_not_saved(tiny_args, tm
     assert res.returncode == 0, res.describe()
     before = {p.name: p.read_bytes() for p in (tmp_path / "ckpt-0000004").iterdir()}
     bad = ["--learning_rate=1e9", "--warmup_iters=0", "--decay_lr=False", "--grad_clip=0.0"]
-    res = run_train(tmp_path, 1, *tiny_args, "--eval_iters=0", "--eval_interval=1", "--max_iters=8", "--init_from=resume",
-                    f"--on_nonfinite={on_nonfinite}", *bad)
+    res = run_train(tmp_path, 1, *tiny_args, "--eval_iters=0", "--eval_interval=1", "--max_iters=8",
+                    "--init_from=resume", f"--on_nonfinite={on_nonfinite}", *bad)
     assert "the model is not finite at iteration 5" in one_error_line(res)
     assert sorted(p.name for p in tmp_path.glob("ckpt-*")) == ["ckpt-0000002", "ckpt-0000004"]
     assert (tmp_path / "latest").read_text() == "ckpt-0000004"
@@ -355,7 +355,8 @@ def test_pruning_keeps_the_checkpoints_saved_last(tmp_path):
     (["--dist_timeout_s=0"], "dist_timeout_s=0 must be at least 1"),
     (["--n_embd=0"], "n_embd=0 must be at least 1")],  # (0 divides by any n_head: it failed in the model)
     ids=["accumulation", "eval_interval", "heads", "cuda", "decay_before_warmup_ends", "min_lr_above_peak",
-         "eval_only_without_batches", "negative_seed", "seed_past_64_bits", "empty_out_dir", "mmap_threshold_above_32", "block_longer_than_the_data",
+         "eval_only_without_batches", "negative_seed", "seed_past_64_bits", "empty_out_dir", "mmap_threshold_above_32",
+         "block_longer_than_the_data",
          "unknown_device", "negative_grad_clip", "dropout_of_one", "beta_above_one", "no_timeout", "no_width"])
 def test_impossible_settings_are_refused(args, tmp_path, setting, named):
     if "cuda" in setting[0] and __import__("torch").cuda.is_available():
