@@ -69,7 +69,7 @@ def set_malloc_mmap_threshold(mb):
     glibc's own behaviour (0 here) raises its mmap threshold to the largest mapped buffer it has
     freed and trims the heap's top once twice that is free. Where that buffer was a few MB, the
     activations a step frees at the top of the heap go back to the OS, and the next step faults
-    them in again inside its matrix products: thousands of page faults per step (IMPLEMENTATION.md,
+    them in again inside its matrix products: thousands of page faults per step (MEASUREMENTS.md,
     "Page faults"). Keeping the freed top costs no peak: the next step takes the same memory again.
     (A trim threshold of 8x `mb`, 256 MB, was too small at 201M parameters: 62,000 faults per
     step, 4% of the process's CPU.) A low `mb` trades the other way: at 47M parameters 4 lowered
@@ -119,7 +119,7 @@ def grad_norm(grads):
     """The 2-norm of all `grads` together. On the CPU, row by row and then over the rows: torch's norm
     of a whole CPU tensor runs on one thread and sums it in one float32 run. For a 1.3B model's
     offloaded grads on an H200 machine's 16 cores that took 408 ms, the rows 59 ms; over one
-    16.7M-value tensor it erred by 6e-4 relative, the rows by 3e-8 (IMPLEMENTATION.md). On the GPU
+    16.7M-value tensor it erred by 6e-4 relative, the rows by 3e-8 (MEASUREMENTS.md). On the GPU
     torch's multi-tensor norm, one kernel for them all. (A backend's grads are all on one device.)"""
     if not grads or grads[0].device.type != "cpu":
         return torch.nn.utils.get_total_norm(grads)
@@ -174,7 +174,7 @@ class Backend:
 
     def local_grads(self, optimizer):
         """The gradients this rank holds, in the optimizer's order. (model.parameters() walks every
-        module at every step: 122 us for a 12-block GPT against 9 us here, IMPLEMENTATION.md.)"""
+        module at every step: 122 us for a 12-block GPT against 9 us here, MEASUREMENTS.md.)"""
         return [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
 
     def total_norm(self, grads):
@@ -354,7 +354,7 @@ class FSDPBackend(Backend):
         The fused AdamW gets them as plain 0-dim tensors beside the DTensor shards, and for every
         plain tensor in a call DTensor's dispatcher builds a fresh replicated spec: one per
         parameter and step, a third to a half of the host time DTensor adds to the optimizer step
-        (IMPLEMENTATION.md). The values are the same, so are the bits. Counters are created plain
+        (MEASUREMENTS.md). The values are the same, so are the bits. Counters are created plain
         (by the first step, or by a checkpoint load): each is wrapped after the step that used it."""
         for p, state in optimizer.state.items():
             counter = state.get("step")

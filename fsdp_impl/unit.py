@@ -502,7 +502,7 @@ class ShardedUnit:
             if self.world == 1:  # the reduction is the identity, so its input is its output (no copy)
                 # offloaded (not HSDP, whose all-reduce runs on the compute stream's side), the
                 # copy-out stream casts the grads into memory of its own, copies that to the CPU and
-                # frees it in its own order, with no record_stream (IMPLEMENTATION.md, seventh GPU round)
+                # frees it in its own order, with no record_stream (MEASUREMENTS.md, seventh GPU round)
                 if self.offload and self.replicate_group is None:
                     copy_out = self.schedule.offload_streams[1]
                     copy_out.wait_stream(torch.cuda.current_stream())
@@ -510,7 +510,7 @@ class ShardedUnit:
                     rs_input = torch.empty(numel, dtype=self.reduce_dtype, device=self.compute_device)
                     # no padding to add, so one multi-tensor copy (and cast) does it: on an H100 CUDA's
                     # _chunk_cat kernel took 1.7x its time for a 1.3B model's block; it costs some 10 us
-                    # more host time per unit (IMPLEMENTATION.md, fourth GPU round)
+                    # more host time per unit (MEASUREMENTS.md, fourth GPU round)
                     torch._foreach_copy_(rs_input.split([ps.padded_numel for ps in params]),
                                          [grad.flatten() for grad in grads])
                 if copy_out is not None:  # (which reads the grads until then)
