@@ -17,6 +17,7 @@ import os
 import shutil
 import signal
 import sys
+import time
 import warnings
 import zlib
 from contextlib import contextmanager
@@ -88,7 +89,9 @@ def save(out_dir, model, optimizer, meta, keep=2):
     if os.environ.get("CHECKPOINT_TEST_CRASH") == str(_rank()):  # tests: die before the commit
         os.kill(os.getpid(), signal.SIGKILL)
     if _rank() == 0:
-        manifest = {"format_version": FORMAT_VERSION, **meta, "files": _file_digests(tmp)}
+        # saved_at: which of two checkpoints is newer, copied or not (a resume from an older one saves
+        # lower iterations after higher ones); sample.py compares an export's with it
+        manifest = {"format_version": FORMAT_VERSION, **meta, "saved_at": time.time(), "files": _file_digests(tmp)}
         _write_atomic(os.path.join(tmp, "manifest.json"), json.dumps(manifest, indent=1))
         if os.path.exists(final):  # the same iteration saved again: keep the old one until replaced
             shutil.rmtree(final + ".old", ignore_errors=True)
@@ -274,5 +277,5 @@ if __name__ == "__main__":
     out = os.path.join(sys.argv[1], "ckpt.pt")
     torch.save({"model": gpt.state_dict(), "model_args": manifest["model_args"],
                 "iter_num": manifest["iter_num"], "best_val_loss": manifest["best_val_loss"],
-                "config": manifest["config"]}, out)
+                "config": manifest["config"], "saved_at": manifest.get("saved_at")}, out)
     print(f"wrote {out} (iteration {manifest['iter_num']})")

@@ -4,7 +4,7 @@ Sample from a trained model: any checkpoint, whatever backend and world size wro
     python sample.py --out_dir=out-shakespeare-char --device=cpu
     python sample.py --init_from=gpt2 --start="To be or not"
 
-Reads the newer (by iteration) of out_dir/ckpt.pt (see `python checkpoint.py OUT_DIR`) and the
+Reads the newer (saved later) of out_dir/ckpt.pt (see `python checkpoint.py OUT_DIR`) and the
 latest checkpoint directory, straight into one unsharded model on one process, and names it on
 stderr (stdout holds only the samples). An unreadable ckpt.pt is named there and passed over when
 a checkpoint directory exists.
@@ -18,6 +18,15 @@ import torch
 import checkpoint
 import configurator
 from model import GPT, GPT2_MODELS, GPTConfig, load_pretrained_gpt2
+
+
+def saved_no_earlier(exported, manifest):
+    """Whether an export's checkpoint was saved no earlier than the one `manifest` describes (a tie:
+    the same checkpoint, in one file). By save time: a run resumed from an older checkpoint saves
+    lower iterations after higher ones. Checkpoints written before save times were recorded: by iteration."""
+    if exported.get("saved_at") is not None and manifest.get("saved_at") is not None:
+        return exported["saved_at"] >= manifest["saved_at"]
+    return exported["iter_num"] >= manifest["iter_num"]
 
 
 def load_newest(out_dir):
@@ -39,8 +48,7 @@ def load_newest(out_dir):
     if exported is None or has_latest:
         # (with no ckpt.pt either, this raises the error that names the missing 'latest')
         latest = checkpoint.read_manifest(checkpoint.latest_path(out_dir), verify=False)
-    # a tie: ckpt.pt is the export of that same checkpoint, in one file
-    if exported is not None and (latest is None or exported["iter_num"] >= latest["iter_num"]):
+    if exported is not None and (latest is None or saved_no_earlier(exported, latest)):
         model = GPT(GPTConfig(**exported["model_args"]))
         model.load_state_dict(exported["model"])
         path, iter_num, config = ckpt_pt, exported["iter_num"], exported["config"]

@@ -62,7 +62,8 @@ def test_resume_after_a_half_written_metrics_line_starts_a_new_one(char_data, tm
     assert [r["iter"] for r in rows if "loss" in r] == [0, 1, 2, 3, 4]
 
 
-def test_sample_takes_the_newer_of_ckpt_pt_and_latest(trained, tmp_path):
+def test_sample_takes_the_newer_of_ckpt_pt_and_latest(trained, char_data, tmp_path):
+    """The one saved later: after a resume from an older checkpoint, the higher iteration is older."""
     out, fresh_pt = trained
     from_dcp = sample(out)  # latest (6) is newer than the exported ckpt.pt (3)
     assert from_dcp.returncode == 0, from_dcp.describe()
@@ -75,6 +76,11 @@ def test_sample_takes_the_newer_of_ckpt_pt_and_latest(trained, tmp_path):
     assert f"loaded {older / 'ckpt.pt'} (iteration 6)" in from_pt.stderr.splitlines()
     # the same weights either way, and stdout holds only the samples
     assert from_pt.stdout == from_dcp.stdout and "loaded" not in from_dcp.stdout
+    # training goes on from 3: its iteration 5 is newer than the export of 6, which it abandoned
+    res = run_train(older, None, f"--data_dir={char_data}", *TINY, "--max_iters=5", "--init_from=resume")
+    assert res.returncode == 0, res.describe()
+    resumed = sample(older)
+    assert f"loaded {older / 'ckpt-0000005'} (iteration 5)" in resumed.stderr.splitlines(), resumed.describe()
 
 
 def test_sample_without_the_character_table_says_where_it_looked(trained, char_data, tmp_path):
