@@ -207,10 +207,25 @@ iter_num, best_val_loss = 0, 1e9
 model_args = dict(n_layer=n_layer, n_head=n_head, n_embd=n_embd, block_size=block_size, bias=bias,
                   vocab_size=None, dropout=dropout, activation_checkpointing=activation_checkpointing)
 pretrained, pretrained_from = None, None  # the GPT-2 model a run started from sets its shape, not the config
+
+
+def torchrun_job():
+    """This torchrun job's name, the same in each of its restarts (None outside torchrun): its
+    --rdzv_id (--standalone draws one). Jobs launched without one all share the id `none`; for them
+    the folder torchrun made for this launch's logs stands in, rank 0's, kept through the restarts."""
+    job = os.environ.get("TORCHELASTIC_RUN_ID")
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")  # <launch's folder>/attempt_<n>/<local rank>/error.json
+    if job != "none" or not error_file:  # (none with --log_dir=/dev/null: such a job resumes what it finds)
+        return job
+    name = ["none:" + os.path.dirname(os.path.dirname(os.path.dirname(error_file)))]
+    if world_size > 1:
+        dist.broadcast_object_list(name, src=0)  # (each node has a folder of its own)
+    return name[0]
+
+
 # torchrun restarted us after a failure: continue from the last checkpoint, if this job saved one
-# there (its first attempt may have been refused for another run's checkpoints). A job whose id is
-# torchrun's default for --rdzv_id cannot tell its own checkpoints, and resumes.
-job = os.environ.get("TORCHELASTIC_RUN_ID")  # the same in every restart of one torchrun job
+# there (its first attempt may have been refused for another run's checkpoints)
+job = torchrun_job()
 if init_from != "resume" and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0 \
         and checkpoint.holds_checkpoints(out_dir) \
         and (job in (None, "none") or checkpoint.saved_by(out_dir, job)):  # (no `latest`: the resume says what to mend)

@@ -3,6 +3,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -57,18 +58,25 @@ def launch(cmd, timeout, cwd=REPO, env=None):
     return RunResult(proc.returncode, out, err)
 
 
-def launcher(nproc, torchrun=False):
+def launcher(nproc, torchrun=False, job_id=True):
     """python for one process (nproc 0/None); for nproc >= 1 tests/spawn.py, which starts the
     processes as torchrun --standalone does without its seconds of start-up, or with
     torchrun=True torchrun itself (for the tests of what torchrun adds: restarts, teardown, its
-    failure report)."""
+    failure report): --standalone, or with job_id=False neither it nor --rdzv_id, so that the
+    job's id is torchrun's default `none`."""
     if not nproc:
         return [sys.executable]
     if not torchrun:
         return [sys.executable, REPO / "tests" / "spawn.py", str(nproc)]
     found = shutil.which("torchrun")
     base = [found] if found else [sys.executable, "-m", "torch.distributed.run"]
-    return base + ["--standalone", f"--nproc_per_node={nproc}"]
+    return base + (["--standalone"] if job_id else [f"--master_port={free_port()}"]) + [f"--nproc_per_node={nproc}"]
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def run_train(tmp_out, nproc, *args, timeout=300, env=None, torchrun=False):

@@ -198,9 +198,10 @@ def test_sigkill_mid_save_keeps_the_previous_checkpoint(args, unbroken, saved, t
     assert all(resumed[i] == unbroken[i] for i in range(12))
 
 
-def test_elastic_restart_continues_from_the_last_checkpoint(args, unbroken, tmp_path):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "--max_restarts=1",
-           REPO / "train.py", f"--out_dir={tmp_path}", "--device=cpu", *args, "--dist_backend=custom_fsdp", SLOW_EVAL]
+@pytest.mark.parametrize("job_id", [True, False], ids=["standalone", "id_none"])
+def test_elastic_restart_continues_from_the_last_checkpoint(args, unbroken, tmp_path, job_id):
+    cmd = launcher(2, torchrun=True, job_id=job_id) + ["--max_restarts=1", REPO / "train.py", f"--out_dir={tmp_path}",
+                                                       "--device=cpu", *args, "--dist_backend=custom_fsdp", SLOW_EVAL]
     proc, _ = kill_one_worker_after_first_checkpoint(tmp_path, cmd)
     code, out, err = finish(proc, 300)
     assert code == 0, err[-4000:]
@@ -291,14 +292,16 @@ def test_a_new_run_refuses_an_out_dir_with_checkpoints(args, saved, tmp_path, po
     assert {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
 
 
-def test_a_restarted_new_run_still_refuses_another_runs_checkpoints(args, saved, tmp_path):
+@pytest.mark.parametrize("job_id", [True, False], ids=["standalone", "id_none"])
+def test_a_restarted_new_run_still_refuses_another_runs_checkpoints(args, saved, tmp_path, job_id):
     """torchrun --max_restarts restarts a new run that was refused: the restart must not take the
-    other run's checkpoints for its own (it resumed them, trained on and pruned one)."""
+    other run's checkpoints for its own (it resumed them, trained on and pruned one). Also where
+    torchrun's job id is `none`, the id of every job launched without --standalone or --rdzv_id."""
     out = tmp_path / "taken"
     subprocess.run(["cp", "-r", str(saved), str(out)], check=True)
     before = {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()}
-    cmd = launcher(2, torchrun=True) + ["--max_restarts=1", REPO / "train.py", f"--out_dir={out}", "--device=cpu",
-                                        *args, "--dist_backend=custom_fsdp"]
+    cmd = launcher(2, torchrun=True, job_id=job_id) + ["--max_restarts=1", REPO / "train.py", f"--out_dir={out}",
+                                                       "--device=cpu", *args, "--dist_backend=custom_fsdp"]
     res = launch(cmd, timeout=180)
     assert res.returncode != 0 and "resuming" not in res.stdout, res.describe()
     assert "holds another run's checkpoints" in res.stderr, res.describe()
