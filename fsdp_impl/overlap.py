@@ -125,9 +125,10 @@ OUTSIDE = "(outside any range)"
 
 
 def exposed_by_place(trace, top=None):
-    """{where: exposed ms per step}, the `top` largest (all if None) first: each exposed stretch goes
-    to the innermost event covering it (on CPU, the training thread's ranges; on GPU, the
-    communication kernels)."""
+    """{where: exposed ms per step}, largest first: each exposed stretch goes to the innermost event
+    covering it (on CPU, the training thread's ranges; on GPU, the communication kernels). With
+    `top`, the `top` largest, then the rest summed as "N other places", so that they add up to the
+    exposed time."""
     steps, places, comm, compute = _timelines(trace)
     totals = {}
     for step in steps:
@@ -140,7 +141,10 @@ def exposed_by_place(trace, top=None):
                 cover = [e for e in inside if e["ts"] <= a and e["ts"] + e["dur"] >= b]
                 name = min(cover, key=lambda e: e["dur"])["name"] if cover else OUTSIDE
                 totals[name] = totals.get(name, 0.0) + (b - a) / 1e3 / len(steps)
-    return dict(sorted(totals.items(), key=lambda kv: -kv[1])[:top])
+    ranked = sorted(totals.items(), key=lambda kv: -kv[1])
+    if top is not None and len(ranked) > top:
+        ranked[top:] = [(f"{len(ranked) - top} other places", sum(ms for _, ms in ranked[top:]))]
+    return dict(ranked)
 
 
 def summarize(rows):
