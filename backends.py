@@ -268,7 +268,9 @@ class FSDPBackend(Backend):
         if self.dtype == torch.float16:
             raise BackendError("dtype=float16 needs loss scaling, which the sharded backends do not do: use bfloat16")
         replicas = cfg["replicate_degree"]
-        if replicas < 1 or self.world_size % replicas:
+        if replicas < 1:
+            raise BackendError(f"replicate_degree={replicas} must be at least 1 (1: no replication)")
+        if self.world_size % replicas:
             raise BackendError(f"replicate_degree={replicas} does not divide the world size {self.world_size}")
         if name == "fsdp":
             from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard

@@ -172,6 +172,8 @@ if master:
     print(f"{dist_backend} on {world_size} process(es); tokens per iteration: {tokens_per_iter:,}")
 if not out_dir:
     fail("out_dir is empty: name a directory ('.' for this one)")
+if os.path.lexists(out_dir) and not os.path.isdir(out_dir):
+    fail(f"out_dir {out_dir} is a file, not a directory")
 if not creatable(out_dir):  # (created before the first write, so a refused run leaves nothing behind)
     fail(f"out_dir {out_dir} is not writable")
 device_type = "cuda" if device.startswith("cuda") else "cpu"

@@ -356,14 +356,18 @@ def test_pruning_keeps_the_checkpoints_saved_last(tmp_path):
     (["--dropout=1.0"], "dropout=1.0 is outside [0, 1)"),
     (["--beta2=1.5"], "beta2=1.5 is outside [0, 1)"),
     (["--dist_timeout_s=0"], "dist_timeout_s=0 must be at least 1"),
-    (["--n_embd=0"], "n_embd=0 must be at least 1")],  # (0 divides by any n_head: it failed in the model)
+    (["--n_embd=0"], "n_embd=0 must be at least 1"),  # (0 divides by any n_head: it failed in the model)
+    (["--dist_backend=custom_fsdp", "--replicate_degree=-2"], "replicate_degree=-2 must be at least 1"),
+    (["--out_dir={tmp}/a_file"], "out_dir {tmp}/a_file is a file, not a directory")],  # (it said "not writable")
     ids=["accumulation", "eval_interval", "heads", "cuda", "decay_before_warmup_ends", "min_lr_above_peak",
          "eval_only_without_batches", "negative_seed", "seed_past_64_bits", "empty_out_dir", "mmap_threshold_above_32",
-         "block_longer_than_the_data",
-         "unknown_device", "negative_grad_clip", "dropout_of_one", "beta_above_one", "no_timeout", "no_width"])
+         "block_longer_than_the_data", "unknown_device", "negative_grad_clip", "dropout_of_one", "beta_above_one",
+         "no_timeout", "no_width", "no_replicas", "out_dir_a_file"])
 def test_impossible_settings_are_refused(args, tmp_path, setting, named):
     if "cuda" in setting[0] and __import__("torch").cuda.is_available():
         pytest.skip("this machine has CUDA")
+    (tmp_path / "a_file").write_text("")
+    setting, named = [s.format(tmp=tmp_path) for s in setting], named.format(tmp=tmp_path)
     cmd = launcher(None) + [REPO / "train.py", f"--out_dir={tmp_path}", *args, "--device=cpu", *setting]
     assert named in one_error_line(launch(cmd, timeout=120))
 
