@@ -103,10 +103,24 @@ def save(out_dir, model, optimizer, meta, keep=2):
     _barrier()
 
 
+def _stored_manifest(out_dir, name):
+    """The manifest of checkpoint directory `name` as it is, unchecked ({} where unreadable)."""
+    try:
+        with open(os.path.join(out_dir, name, "manifest.json")) as f:
+            manifest = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    return manifest if isinstance(manifest, dict) else {}
+
+
 def _by_save_time(out_dir):
     """The checkpoint directories in out_dir, the one saved last at the end: after a resume from
-    an older checkpoint, higher iteration numbers may be older."""
+    an older checkpoint, higher iteration numbers may be older. By the time the manifest records (a
+    copy of the folder keeps it, where it renews the files' times), else by the manifest file's."""
     def saved_at(name):
+        recorded = _stored_manifest(out_dir, name).get("saved_at")
+        if isinstance(recorded, (int, float)):
+            return recorded
         manifest = os.path.join(out_dir, name, "manifest.json")
         return os.path.getmtime(manifest) if os.path.exists(manifest) else 0.0
     return sorted((d for d in os.listdir(out_dir) if d.startswith("ckpt-") and "." not in d), key=saved_at)
@@ -132,13 +146,7 @@ def holds_checkpoints(out_dir):
 
 def saved_by(out_dir, job):
     """Whether a checkpoint in out_dir was saved by torchrun job `job` (its TORCHELASTIC_RUN_ID)."""
-    def job_of(name):
-        try:
-            with open(os.path.join(out_dir, name, "manifest.json")) as f:
-                return json.load(f).get("job")
-        except (OSError, ValueError, AttributeError):
-            return None
-    return any(job_of(name) == job for name in _by_save_time(out_dir))
+    return any(_stored_manifest(out_dir, name).get("job") == job for name in _by_save_time(out_dir))
 
 
 def latest_path(out_dir):

@@ -336,6 +336,13 @@ def test_pruning_keeps_the_checkpoints_saved_last(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-0000006", "ckpt-0000008"]
     checkpoint._prune(str(tmp_path), keep="ckpt-0000006", count=1)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-0000006"]
+    # the save time a manifest records wins over its file's, which a copy of the folder renews
+    for age, name in enumerate(["ckpt-0000004", "ckpt-0000008"]):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "manifest.json").write_text(json.dumps({"saved_at": 2000 + age}))
+        os.utime(tmp_path / name / "manifest.json", (3000 - age, 3000 - age))
+    checkpoint._prune(str(tmp_path), keep="ckpt-0000006", count=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-0000006", "ckpt-0000008"]
 
 
 @pytest.mark.parametrize("setting,named", [
