@@ -421,8 +421,10 @@ def hsdp_all_reduce_micro_step_skips_the_unit(impl, mesh):
 
 def hsdp_gradient_sync_switches_the_all_reduce_on(impl, mesh):
     """HSDP, the all-reduce off in the first micro-step; set_requires_gradient_sync(True) in the
-    second switches it on again (FSDP2's does both), so the kept sums are averaged too."""
-    if impl == "ours":
+    second switches it on again (FSDP2's does both), so the kept sums are averaged too. Against
+    FSDP2 on the same mesh (2 replicas of 1 shard: only the all-reduce averages over the ranks;
+    without it a rank's grads stay its own, or with the sums kept, none come out)."""
+    if impl != "plain":
         mesh = init_device_mesh("cpu", (dist.get_world_size(), 1), mesh_dim_names=("replicate", "shard"))
 
     def fwd_bwd(model, s):
@@ -553,7 +555,7 @@ REFERENCE = {flow: "fsdp2" for flow in FLOWS} | {
     reentrant_checkpoint_two_forwards: "plain", inference_mode_first_forward: "plain",
     unshard_under_inference_mode_before_each_forward: "plain",
     reused_layer_whole_block_checkpointed_two_forwards: "plain", requires_grad_changed_while_gathered: "plain"} | {
-    flow: "plain" for flow in HSDP_FLOWS}
+    flow: "plain" for flow in HSDP_FLOWS if flow is not hsdp_gradient_sync_switches_the_all_reduce_on}
 # The plain model adds a block's gradients from the two recomputations before averaging over the
 # ranks; we reduce each recomputation's gradients as it finishes and add the averages: the same
 # sum in another order, so equal to rounding (FSDP2 is off by about 1 here: it loses a share).

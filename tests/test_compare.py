@@ -66,6 +66,14 @@ def test_a_step_both_runs_skipped_as_nan_is_no_difference():
     assert math.isnan(compare.max_loss_diff(rows(4.0, math.nan, 3.5), rows(4.0, 3.9, 3.5)))
 
 
+def test_overall_max_diff_looks_at_every_pair():
+    """Three runs whose largest gap is between the second and the third, not to the first."""
+    def rows(*losses):
+        return [{"iter": i, "loss": loss} for i, loss in enumerate(losses)]
+    runs = [("a", rows(4.0, 3.0), []), ("b", rows(4.0, 3.125), []), ("c", rows(4.0, 2.875), [])]
+    assert compare.overall_max_diff(runs) == (0.25, "b", "c")
+
+
 def test_cli(tmp_path):
     a, b = make_runs(tmp_path)
     png = tmp_path / "cmp.png"

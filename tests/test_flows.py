@@ -34,7 +34,7 @@ as under FSDP2 (the hooks stay out of them).
 The reference is FSDP2, except in the flows where FSDP2 (torch 2.13) computes something else than
 plain PyTorch: with explicit forward-prefetch lists it uses the probe's all-gather from before the
 optimizer step, and after reset_iter_state() it adds the failed step's head gradients to the next
-step's; in the HSDP flows (all-reduce off, then on, parts of a unit skipped) it fails on the shapes or
+step's; in the HSDP flows with parts of a unit skipped (all-reduce off, then on) it fails on the shapes or
 drops the kept sums; with the first forward under inference_mode it fails; after requires_grad_()
 on a gathered root's parameter it trains that parameter again from the root's next gather. There the
 reference is the plain model, its grads averaged over the ranks before each step

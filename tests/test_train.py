@@ -154,7 +154,8 @@ def test_parity_two_microbatches_per_rank_with_clipping(runs_b):
 @pytest.fixture(scope="module")
 def runs_world(tmp_path_factory, tiny_args, runs_b):
     base = tmp_path_factory.mktemp("world")
-    short = [*CONFIG_B[:2], "--max_iters=5", "--eval_interval=100"]  # the first 5 iterations of B
+    # the first 5 iterations of B, evaluated at 0 and 4 as B is (and at the end); no checkpoints
+    short = [*CONFIG_B[:2], "--max_iters=5", "--eval_interval=4", "--keep_checkpoints=0"]
     out = {("custom_fsdp", 1): runs_b["single"], ("custom_fsdp", 2): runs_b["custom_fsdp"]}
     for backend, w in (("custom_fsdp", 4), ("fsdp", 4)):
         d = base / f"{backend}-w{w}"
@@ -171,15 +172,34 @@ def test_world_sizes_same_losses(runs_world):
         assert_close(got, ref, 1e-5, f"loss {backend} W={w} vs custom_fsdp W=1")
 
 
+def test_world_sizes_same_evaluation(runs_world):
+    """eval_iters=2 at W=4: each rank evaluates one batch, and ranks 2 and 3 (past the 2 batches)
+    must not count theirs: the evaluation is W=1's (within float32 rounding of the weights)."""
+    def evals(d):
+        return {r["iter"]: r for r in load_metrics(d)[1] if r["iter"] in (0, 4)}
+    ref = evals(runs_world[("custom_fsdp", 1)])
+    assert sorted(ref) == [0, 4]
+    for (backend, w), d in runs_world.items():
+        got = evals(d)
+        for key in ("train_loss", "val_loss"):
+            assert_close({i: r[key] for i, r in got.items()}, {i: r[key] for i, r in ref.items()}, 1e-5,
+                         f"{key} {backend} W={w} vs custom_fsdp W=1")
+
+
 # ---------------------------------------------------------------------------------------------
 # 3. resume is exact (dropout on: masks are seeded by (seed, iteration, micro-batch))
+
+# a learning-rate schedule whose every phase the 8 iterations meet: warmup (0, 1), cosine decay (2..5), min_lr (6, 7)
+LR, MIN_LR, WARMUP, DECAY = 1e-3, 1e-4, 2, 5
+RESUME_ARGS = [*CONFIG_B[:2], "--eval_interval=4", "--dropout=0.1", f"--learning_rate={LR}", f"--min_lr={MIN_LR}",
+               f"--warmup_iters={WARMUP}", f"--lr_decay_iters={DECAY}"]
 
 
 @pytest.fixture(scope="module", params=["custom_fsdp", "ddp"])
 def resume_runs(request, tmp_path_factory, tiny_args):
     backend = request.param
     base = tmp_path_factory.mktemp(f"resume_{backend}")
-    args = [*tiny_args, *CONFIG_B[:2], "--eval_interval=4", "--dropout=0.1", f"--dist_backend={backend}"]
+    args = [*tiny_args, *RESUME_ARGS, f"--dist_backend={backend}"]
     whole, split = base / "whole", base / "split"
     train_ok(whole, 2, *args, "--max_iters=8")
     train_ok(split, 2, *args, "--max_iters=4")
@@ -208,7 +228,45 @@ def test_resume_bitwise(resume_runs):
 def test_dropout_changes_losses(resume_runs, runs_b):
     backend, whole, *_ = resume_runs
     with_dropout, without = losses(whole), losses(runs_b[backend])
+    # (from iteration 1 on the learning-rate schedules differ too; iteration 0's loss differs by dropout alone)
     assert all(with_dropout[i] != without[i] for i in range(8)), "dropout=0.1 did not change the losses"
+
+
+@pytest.fixture(scope="module")
+def dropout_one_process(tmp_path_factory, tiny_args):
+    """The resume runs' first 3 iterations on one process (custom_fsdp, a group of one)."""
+    out = tmp_path_factory.mktemp("dropout_w1") / "out"
+    train_ok(out, None, *tiny_args, *RESUME_ARGS, "--max_iters=3", "--keep_checkpoints=0", "--dist_backend=custom_fsdp")
+    return out
+
+
+def test_dropout_masks_do_not_depend_on_the_world_size(resume_runs, dropout_one_process):
+    """A micro-batch's masks are seeded by its global index, not by the rank's micro-step: W=2
+    (2 micro-steps per rank) draws the masks one process draws for the same micro-batches. Within
+    float32 rounding: accumulation adds in another order on one rank than on two."""
+    backend, whole, *_ = resume_runs
+    assert_close(only(losses(whole), range(3)), losses(dropout_one_process), 1e-5,
+                 f"loss {backend} W=2 vs one process, dropout=0.1", relative=True)
+
+
+def expected_lr(it):
+    """train.py's schedule, written out: linear warmup to LR over WARMUP + 1 steps, cosine to MIN_LR at DECAY."""
+    if it < WARMUP:
+        return LR * (it + 1) / (WARMUP + 1)
+    if it > DECAY:
+        return MIN_LR
+    return MIN_LR + (LR - MIN_LR) * (1 + math.cos(math.pi * (it - WARMUP) / (DECAY - WARMUP))) / 2
+
+
+def test_logged_lr_follows_the_schedule(resume_runs):
+    """The lr logged at each step, in an unbroken run and in one resumed at 4 (the schedule
+    depends on the iteration alone), is the closed form's, through warmup, decay and min_lr."""
+    backend, whole, split, *_ = resume_runs
+    for d in (whole, split):
+        got = losses(d, "lr")
+        assert sorted(got) == list(range(8))
+        assert_close(got, {i: expected_lr(i) for i in range(8)}, 1e-12, f"{backend} lr", relative=True)
+    assert got[0] == pytest.approx(LR / 3) and got[3] < LR and got[6] == got[7] == MIN_LR  # (every phase met)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -336,6 +394,37 @@ print(len(counters), all(isinstance(c, DTensor) and c.placements == (Replicate()
 """
 
 
+PREFETCH_ORDER = """
+import torch
+from backends import init_distributed, make_backend
+from fsdp_impl.comm import ledger
+from model import GPT, GPTConfig
+init_distributed("custom_fsdp", "gloo", "cpu", 60)
+x = torch.randint(0, 64, (2, 16))
+for prefetch in (False, True):
+    cfg = dict(device="cpu", dtype="float32", cpu_offload=False, replicate_degree=1, wrap_policy="block",
+               min_wrap_params=1, reshard_after_forward=True, prefetch=prefetch, shared_memory=True, compile=False)
+    with torch.device("meta"):
+        gpt = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=64, dropout=0.0, bias=False))
+    model = make_backend("custom_fsdp", cfg).wrap(gpt, lambda m: m.init_weights(0))
+    for step in range(2):  # (the second: by then the units' order is known, so a default prefetch would run)
+        ledger.reset(record_events=step == 1)
+        model(x, x)[1].backward()
+    ev = ledger.events
+    print(prefetch, ev.index(("all_gather", "transformer.h.0")) < ev.index(("forward", "root")),
+          ev.index(("all_gather", "transformer.h.1")) < ev.index(("forward", "transformer.h.0")))
+"""
+
+
+def test_prefetch_setting_reaches_the_units():
+    """prefetch=False through make_backend: each block is gathered only when its forward starts,
+    after the unit before it began computing; prefetch=True: before (one process: the ledger logs
+    the gathers all the same)."""
+    res = launch([sys.executable, "-c", PREFETCH_ORDER], timeout=120)
+    assert res.returncode == 0, res.describe()
+    assert res.stdout.strip().splitlines()[-2:] == ["False False False", "True True True"], res.describe()
+
+
 @pytest.mark.parametrize("backend", ["fsdp", "custom_fsdp"])
 def test_sharded_optimizer_step_counters_are_replicated_dtensors(backend):
     """The sharded backends wrap AdamW's step counters as replicated DTensors after the first step,
@@ -360,8 +449,12 @@ want = torch.nn.utils.clip_grad_norm_(reference, 0.5)
 got = back.clip_grad_norm(opt, 0.5)
 grad_err = max(((whole(p.grad) - r.grad).abs().max() / r.grad.abs().max()).item()
                for p, r in zip(model.parameters(), reference))
+# a norm below max_norm (now 0.5, after the clipping above): the grads are left as they are, to the bit
+clipped = [whole(p.grad).clone() for p in model.parameters()]
+back.clip_grad_norm(opt, 1000.0)
+unchanged = all(torch.equal(whole(p.grad), c) for p, c in zip(model.parameters(), clipped))
 if dist.get_rank() == 0:
-    print(len(reference), want.item(), got.item() / want.item() - 1, grad_err, flush=True)
+    print(len(reference), want.item(), got.item() / want.item() - 1, grad_err, unchanged, flush=True)
 dist.destroy_process_group()
 os._exit(0)  # FSDP2 on gloo can abort in interpreter teardown after a clean run
 """
@@ -372,12 +465,13 @@ def test_clip_grad_norm_is_torchs_over_every_gradient(backend):
     """Each backend's clipping (over what the optimizer steps; the sharded backends on the local
     shards, their squared norms summed across ranks) gives the norm and the clipped gradients of
     torch.nn.utils.clip_grad_norm_ over every gradient whole, within float32 rounding (the order
-    of the sum differs)."""
+    of the sum differs). A norm below max_norm leaves the grads as they are (not scaled up)."""
     res = launch(launcher(2) + ["-c", CLIP_AGAINST_TORCH, backend], timeout=120)
     assert res.returncode == 0, res.describe()
-    n_params, norm, norm_err, grad_err = res.stdout.strip().splitlines()[-1].split()
+    n_params, norm, norm_err, grad_err, unchanged = res.stdout.strip().splitlines()[-1].split()
     assert int(n_params) == 2 * 6 + 3 and float(norm) > 0.5  # every parameter; and the clipping scales
     assert abs(float(norm_err)) < 1e-6 and float(grad_err) < 1e-6, (norm_err, grad_err)
+    assert unchanged == "True", "clip_grad_norm(1000.0) changed gradients whose norm is 0.5"
 
 
 def test_cpu_grad_norm_is_exact_to_float32_rounding_where_torchs_flat_norm_is_not():
@@ -623,7 +717,7 @@ def test_sample_loads_export(exported, tmp_path):
 
 
 def test_metrics_rows_complete(runs_a, runs_b):
-    for runs in (runs_a, runs_b):
+    for runs, ga in ((runs_a, 2), (runs_b, 4)):
         for name, d in runs.items():
             train, evals = load_metrics(d)
             assert train, f"{d}: no train rows"
@@ -633,12 +727,26 @@ def test_metrics_rows_complete(runs_a, runs_b):
                 for k in TRAIN_KEYS - {"mfu"}:  # mfu is None on a CPU (peak FLOPs unknown)
                     assert isinstance(row[k], (int, float)) and math.isfinite(row[k]), (name, k, row)
                 assert row["dt_ms"] > 0 and row["tokens_per_sec"] > 0 and row["peak_mem_mb"] > 0
+                # the global batch's tokens per step (batch_size 4, block_size 32), at any world size
+                assert row["tokens_per_sec"] * row["dt_ms"] / 1000 == pytest.approx(ga * 4 * 32, rel=1e-9), (name, row)
                 # the training thread's CPU time per phase; forward and backward always take some
                 assert set(row["host_ms"]) == {"forward_backward", "clip", "optimizer"}, row
                 assert row["host_ms"]["forward_backward"] > 0 and all(v >= 0 for v in row["host_ms"].values())
             assert [r["iter"] for r in train] == list(range(len(train)))
             for row in evals:
                 assert {"iter", "train_loss", "val_loss"} <= set(row)
+
+
+def test_estimate_mfu_is_palms_formula():
+    """6N + 12 L H Q T FLOPs per token (N: the parameters but the position embeddings), over T
+    tokens per sequence, per second, over the peak; None where the peak is unknown (the CPU)."""
+    from model import GPT, GPTConfig
+    L, H, d, T, V = 2, 2, 32, 32, 65
+    gpt = GPT(GPTConfig(n_layer=L, n_head=H, n_embd=d, block_size=T, vocab_size=V, dropout=0.0, bias=False))
+    n = 12 * L * d * d + 2 * L * d + V * d + d  # blocks' matrices and layer norms, wte (tied to lm_head), ln_f
+    flops = (6 * n + 12 * L * H * (d // H) * T) * T * 3  # 3 sequences forward and backward
+    assert gpt.estimate_mfu(3, 0.5, 1e9) == pytest.approx(flops / 0.5 / 1e9, rel=1e-12)
+    assert gpt.estimate_mfu(3, 0.5, None) is None
 
 
 def wandb_history(run_file):
