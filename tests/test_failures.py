@@ -2,6 +2,7 @@
 mid-training and mid-save, elastic restart, checkpoint rotation, non-finite losses, and the
 bad-input cases of resuming. Every process started here is killed on the way out."""
 import json
+import math
 import os
 import shutil
 import signal
@@ -263,6 +264,40 @@ def test_without_evaluation_a_model_that_computes_nan_is_not_saved(tiny_args, tm
     assert sorted(p.name for p in tmp_path.glob("ckpt-*")) == ["ckpt-0000002", "ckpt-0000004"]
     assert (tmp_path / "latest").read_text() == "ckpt-0000004"
     assert {p.name: p.read_bytes() for p in (tmp_path / "ckpt-0000004").iterdir()} == before
+
+
+# train.py with the third training micro-batch's loss made nan (evaluations run in eval mode, uncounted)
+NAN_THIRD_MICRO_BATCH = """
+import runpy, sys
+import model
+forward, calls = model.GPT.forward, [0]
+def nan_once(self, idx, targets=None):
+    logits, loss = forward(self, idx, targets)
+    if self.training:
+        calls[0] += 1
+        if calls[0] == 3:
+            loss = loss * float("nan")
+    return logits, loss
+model.GPT.forward = nan_once
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+@pytest.mark.parametrize("backend", ["ddp", "custom_fsdp"])
+def test_a_skipped_step_leaves_no_gradients_behind(tiny_args, tmp_path, backend):
+    """One bad batch under on_nonfinite='skip': that step is skipped, and the next starts from no
+    gradients (kept, the nan ones poisoned every later step until max_skipped_steps ended the run)."""
+    cmd = launcher(None) + ["-c", NAN_THIRD_MICRO_BATCH, REPO / "train.py", f"--out_dir={tmp_path}", "--device=cpu",
+                            *tiny_args, f"--dist_backend={backend}", "--on_nonfinite=skip", "--max_iters=6",
+                            "--eval_interval=100", "--keep_checkpoints=0", "--gradient_accumulation_steps=1"]
+    res = launch(cmd, timeout=120)
+    assert res.returncode == 0, res.describe()
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["iter"] for r in rows if r.get("event") == "skipped_nonfinite"] == [2]
+    steps = {r["iter"]: r for r in load_metrics(tmp_path)[0]}  # (the skipped step's row holds its nan)
+    assert sorted(steps) == list(range(6)) and math.isnan(steps[2]["loss"])
+    assert all(math.isfinite(steps[i]["loss"]) and math.isfinite(steps[i]["grad_norm"]) for i in (0, 1, 3, 4, 5)), steps
 
 
 def test_skipping_nonfinite_steps_gives_up_on_a_diverged_model(args, tmp_path):
