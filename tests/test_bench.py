@@ -452,19 +452,24 @@ def test_a_run_shorter_than_the_profiled_window_says_so_or_traces_what_it_reache
 def test_comm_benchmark_times_every_collective_with_consistent_bandwidth(tmp_path):
     """`bench.py --comm`: each collective (fsdp_impl's all-gather and reduce-scatter included, on CPU also
     with gloo's messages) at each size, bus bandwidth = the bytes each rank moves / time ((W-1)/W of the
-    buffer, 2(W-1)/W for all-reduce), and the process's CPU time per call."""
+    buffer, 2(W-1)/W for all-reduce), and the process's CPU time per call. W=3, where (W-1)/W, 1/W
+    and 2(W-1)/W all differ (at W=2 the first two are both 1/2), and a buffer cut to a multiple of W."""
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     out = tmp_path / "comm.json"
-    proc = subprocess.run([sys.executable, "bench.py", "--comm", "--nproc=2", "--comm_mb=1,4", f"--json={out}"],
+    w = 3
+    proc = subprocess.run([sys.executable, "bench.py", "--comm", f"--nproc={w}", "--comm_mb=1,4", f"--json={out}"],
                           cwd=repo, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = json.loads(out.read_text())["comm"]
-    moved = {"all_gather": 0.5, "ag_fsdp_impl": 0.5, "ag_fsdp_impl_msgs": 0.5, "reduce_scatter": 0.5,
-             "rs_fsdp_impl": 0.5, "rs_fsdp_impl_msgs": 0.5, "all_reduce": 1.0}
+    part = (w - 1) / w  # of the buffer, each rank's all-gather or reduce-scatter
+    moved = {"all_gather": part, "ag_fsdp_impl": part, "ag_fsdp_impl_msgs": part, "reduce_scatter": part,
+             "rs_fsdp_impl": part, "rs_fsdp_impl_msgs": part, "all_reduce": 2 * part}
     assert sorted((r["op"], r["mb"]) for r in rows) == sorted((op, mb) for op in moved for mb in (1, 4))
     for r in rows:
         assert r["ms"] > 0 and r["cpu_ms"] > 0
-        assert r["busbw_gbps"] * 1e9 * r["ms"] / 1e3 == pytest.approx(r["mb"] * 2**20 * moved[r["op"]], rel=1e-9)
+        numel = r["mb"] * 2**20 // 4
+        full_bytes = (numel - numel % w) * 4  # (a whole MB of floats is no multiple of 3: cut to one)
+        assert r["busbw_gbps"] * 1e9 * r["ms"] / 1e3 == pytest.approx(full_bytes * moved[r["op"]], rel=1e-9)
 
 
 def run_snippet(code, arg):

@@ -116,6 +116,25 @@ def test_generate_draws_no_padded_vocabulary_id():
     assert (model.generate(idx, 40, temperature=100.0, vocab_size=10)[0, 1:] < 10).all()
 
 
+def test_generate_at_top_k_1_or_a_tiny_temperature_is_greedy():
+    """top_k=1 keeps only the largest logit (masking it too left all -inf: a nan probability
+    tensor), and a tiny temperature divides the logits into an argmax (multiplying by it would
+    flatten them to near uniform): both draw what a greedy argmax loop picks, past block_size too."""
+    from model import GPT, GPTConfig
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=8, vocab_size=16)).eval()
+    idx = greedy = torch.zeros(1, 1, dtype=torch.long)
+    with torch.no_grad():
+        for _ in range(10):
+            logits = model(greedy[:, -8:])[0][:, -1, :]
+            top2 = logits.topk(2).values[0]
+            assert top2[0] - top2[1] > 1e-2  # no near ties: at temperature 1e-4 the draw is certain
+            greedy = torch.cat((greedy, logits.argmax(-1, keepdim=True)), dim=1)
+    assert len(set(greedy[0, 1:].tolist())) > 1  # (not one id throughout: a wrong draw shows)
+    assert torch.equal(model.generate(idx, 10, top_k=1), greedy)
+    assert torch.equal(model.generate(idx, 10, temperature=1e-4), greedy)
+
+
 @pytest.mark.parametrize("start,fragments", [("{hello}", ["not in the vocabulary", ": '{}'"]),
                                               ("FILE:/no/such/prompt", ["cannot read /no/such/prompt"])])
 def test_sample_refuses_a_bad_prompt(trained, start, fragments):

@@ -335,19 +335,26 @@ import torch
 from backends import init_distributed, make_backend
 from model import GPT, GPTConfig
 init_distributed("custom_fsdp", "gloo", "cpu", 60)
-cfg = dict(device="cpu", dtype="float32", cpu_offload=False, replicate_degree=1, wrap_policy=sys.argv[1],
-           min_wrap_params=1, reshard_after_forward=True, prefetch=True, shared_memory=True, compile=True)
 with torch.device("meta"):
-    gpt = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=64, dropout=0.0, bias=False))
+    gpt = GPT(GPTConfig(n_layer=3, n_head=2, n_embd=32, block_size=16, vocab_size=64, dropout=0.0, bias=False))
+# ('size': two blocks' parameters fill a unit, so the third is a smaller unit of its own)
+cfg = dict(device="cpu", dtype="float32", cpu_offload=False, replicate_degree=1, wrap_policy=sys.argv[1],
+           min_wrap_params=2 * sum(p.numel() for p in gpt.transformer.h[0].parameters()),
+           reshard_after_forward=True, prefetch=True, shared_memory=True, compile=True)
 model = make_backend("custom_fsdp", cfg).wrap(gpt, lambda m: m.init_weights(0))
 compiled = lambda f: hasattr(f, "_torchdynamo_orig_callable")
-print(compiled(model.forward), [compiled(b.forward) for b in model.transformer.h], compiled(model.logits_and_loss))
+# each block's unit, numbered in block order (None: no unit of its own, its parameters are the root's)
+units = list(dict.fromkeys(b._fsdp_unit for b in model.transformer.h if hasattr(b, "_fsdp_unit")))
+print(compiled(model.forward), [compiled(b.forward) for b in model.transformer.h], compiled(model.logits_and_loss),
+      [units.index(b._fsdp_unit) if hasattr(b, "_fsdp_unit") else None for b in model.transformer.h])
 """
 
 
 @pytest.mark.parametrize("wrap_policy,expected", [
-    ("model", "True [False, False] False"),  # one unit: the whole forward is one graph
-    ("block", "False [True, True] True"),  # a unit per block: its forward, and the output layer with the loss
+    ("model", "True [False, False, False] False [None, None, None]"),  # one unit: the whole forward is one graph
+    # a unit per block: its forward, and the output layer with the loss
+    ("block", "False [True, True, True] True [0, 1, 2]"),
+    ("size", "False [True, True, True] True [0, 0, 1]"),  # units of blocks: the last one's tail too
 ])
 def test_compile_graphs_follow_the_units(wrap_policy, expected):
     res = launch([sys.executable, "-c", WRAP_AND_REPORT_GRAPHS, wrap_policy], timeout=120)
@@ -641,6 +648,19 @@ def test_damaged_latest_names_the_intact_checkpoint_before_it(runs_b, tiny_args,
     (out / "latest").write_text("ckpt-0000004")
     res = run_train(out, None, *resume)
     assert res.returncode == 0 and "resumed from" in res.stdout and "ckpt-0000004" in res.stdout, res.describe()
+    # iteration 8 saved again replaced the damaged one, which went aside as .old until then
+    assert (out / "latest").read_text() == "ckpt-0000012" and not list(out.glob("*.old"))
+
+
+def test_a_crash_while_replacing_a_checkpoint_resumes_from_the_one_it_replaced(runs_b, tiny_args, tmp_path):
+    """An iteration saved again moves its old checkpoint aside (.old), then the new one into place:
+    a crash between the two leaves `latest` naming a directory that is not there, and the resume
+    takes the one aside."""
+    out = clone_checkpoint(runs_b["custom_fsdp"], 8, tmp_path / "out")
+    (out / "ckpt-0000008").rename(out / "ckpt-0000008.old")
+    res = run_train(out, None, *tiny_args, *CONFIG_B, "--dist_backend=custom_fsdp", "--init_from=resume",
+                    "--max_iters=9", "--keep_checkpoints=0")
+    assert res.returncode == 0 and f"resumed from {out / 'ckpt-0000008.old'}" in res.stdout, res.describe()
 
 
 def test_eval_only_evaluates_the_checkpoint_as_the_run_did(runs_b, tiny_args, tmp_path):
@@ -735,6 +755,66 @@ def test_metrics_rows_complete(runs_a, runs_b):
             assert [r["iter"] for r in train] == list(range(len(train)))
             for row in evals:
                 assert {"iter", "train_loss", "val_loss"} <= set(row)
+
+
+def test_weight_decay_on_the_matrices_and_embeddings_only():
+    """configure_optimizers decays the weight matrices and the embeddings, not the LayerNorm gains
+    and biases (nanoGPT's split), in one fused AdamW; every parameter once."""
+    from model import GPT, GPTConfig
+    gpt = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=16, vocab_size=64, dropout=0.0, bias=True))
+    opt = gpt.configure_optimizers(0.1, 1e-3, (0.9, 0.95))
+    names = {id(p): n for n, p in gpt.named_parameters()}
+    by_decay = {g["weight_decay"]: sorted(names[id(p)] for p in g["params"]) for g in opt.param_groups}
+    matrices = ["attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight"]
+    assert by_decay[0.1] == sorted([f"transformer.h.0.{m}" for m in matrices] + ["transformer.wpe.weight",
+                                                                                 "transformer.wte.weight"])
+    assert by_decay[0.0] == sorted(n for n in names.values() if n not in by_decay[0.1])
+    # a block's two LayerNorms and four biases, and ln_f's gain and bias
+    assert all(n.endswith(".bias") or ".ln_" in n for n in by_decay[0.0]) and len(by_decay[0.0]) == 10
+    assert opt.defaults["fused"]
+
+
+def test_activation_checkpointing_runs_each_block_again_in_backward():
+    """With activation_checkpointing each block's forward runs twice per step (once more when backward
+    recomputes it), without it once; the numbers are the same either way (the parity tests), so only
+    this count tells that it is on."""
+    import model
+    forward, calls = model.Block.forward, [0]
+
+    def counted(self, x):
+        calls[0] += 1
+        return forward(self, x)
+    x = torch.randint(0, 64, (2, 16))
+    try:
+        model.Block.forward = counted
+        for on, runs in ((True, 2 * 3), (False, 3)):
+            gpt = model.GPT(model.GPTConfig(n_layer=3, n_head=2, n_embd=32, block_size=16, vocab_size=64,
+                                            dropout=0.0, bias=False, activation_checkpointing=on))
+            calls[0] = 0
+            gpt(x, x)[1].backward()
+            assert calls[0] == runs, (on, calls[0])
+    finally:
+        model.Block.forward = forward
+
+
+DDP_AUTOCAST = """
+import torch
+from backends import init_distributed, make_backend
+init_distributed("ddp", "gloo", "cpu", 60)
+for dtype in ("float32", "bfloat16", "float16"):
+    cfg = dict(device="cpu", dtype=dtype, cpu_offload=False, replicate_degree=1, wrap_policy="block",
+               min_wrap_params=1, reshard_after_forward=True, prefetch=True, shared_memory=True, compile=False)
+    with make_backend("ddp", cfg).autocast():
+        print(dtype, (torch.ones(2, 2) @ torch.ones(2, 2)).dtype)
+"""
+
+
+def test_ddp_computes_in_the_run_dtype():
+    """DDP's matrix products run in the run's dtype under autocast (float16 with loss scaling)."""
+    res = launch([sys.executable, "-c", DDP_AUTOCAST], timeout=120)
+    assert res.returncode == 0, res.describe()
+    assert res.stdout.strip().splitlines()[-3:] == ["float32 torch.float32", "bfloat16 torch.bfloat16",
+                                                    "float16 torch.float16"], res.describe()
 
 
 def test_estimate_mfu_is_palms_formula():
