@@ -127,7 +127,7 @@ OUTSIDE = "(outside any range)"
 def exposed_by_place(trace, top=None):
     """{where: exposed ms per step}, largest first: each exposed stretch goes to the innermost event
     covering it (on CPU, the training thread's ranges; on GPU, the communication kernels). With
-    `top`, the `top` largest, then the rest summed as "N other places", so that they add up to the
+    `top`, the `top` largest, then the rest summed ("N other places"), so that they add up to the
     exposed time."""
     steps, places, comm, compute = _timelines(trace)
     totals = {}
@@ -143,7 +143,8 @@ def exposed_by_place(trace, top=None):
                 totals[name] = totals.get(name, 0.0) + (b - a) / 1e3 / len(steps)
     ranked = sorted(totals.items(), key=lambda kv: -kv[1])
     if top is not None and len(ranked) > top:
-        ranked[top:] = [(f"{len(ranked) - top} other places", sum(ms for _, ms in ranked[top:]))]
+        others = len(ranked) - top
+        ranked[top:] = [(f"{others} other place" + "s" * (others > 1), sum(ms for _, ms in ranked[top:]))]
     return dict(ranked)
 
 

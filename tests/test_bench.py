@@ -117,7 +117,7 @@ def test_exposed_time_on_gpu_goes_to_the_communication_kernel_averaged_over_step
     assert list(places) == ["ncclDevKernel_AllGather", "ncclDevKernel_ReduceScatter"]
     assert places == {"ncclDevKernel_AllGather": pytest.approx(0.0125), "ncclDevKernel_ReduceScatter": pytest.approx(0.005)}
     assert overlap.exposed_by_place(trace, top=1) == {"ncclDevKernel_AllGather": pytest.approx(0.0125),
-                                                      "1 other places": pytest.approx(0.005)}  # (the sum stays whole)
+                                                      "1 other place": pytest.approx(0.005)}  # (the sum stays whole)
     assert overlap.exposed_by_place(trace, top=2) == places
 
 
