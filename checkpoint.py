@@ -145,7 +145,7 @@ def holds_checkpoints(out_dir):
 
 
 def saved_by(out_dir, job):
-    """Whether a checkpoint in out_dir was saved by torchrun job `job` (its TORCHELASTIC_RUN_ID)."""
+    """Whether a checkpoint in out_dir was saved by torchrun job `job` (train.py's torchrun_job())."""
     return any(_stored_manifest(out_dir, name).get("job") == job for name in _by_save_time(out_dir))
 
 
