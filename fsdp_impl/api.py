@@ -98,6 +98,10 @@ _fsdp_classes = {}
 @torch.inference_mode(False)  # (a first forward may run under it: these tensors outlive it)
 def _lazy_init(root_module):
     """The first unit to run forward is the root: it gathers every unit below into one schedule."""
+    root = root_module._fsdp_unit
+    if len(root.modules) > 1:  # (FSDP2 refuses it too: which module's subtree would the step be?)
+        raise RuntimeError(f"fully_shard: the root unit holds {len(root.modules)} modules; run the first "
+                           "forward through one module that holds them all, itself fully_shard-ed")
     units = {}  # unit -> its first module's path, in module order
     for path, m in root_module.named_modules():
         if hasattr(m, "_fsdp_unit"):
@@ -105,11 +109,15 @@ def _lazy_init(root_module):
                 raise RuntimeError(f"fully_shard: {path} ran forward before the root module did: "
                                    "run the first forward through the root")
             units.setdefault(m._fsdp_unit, path or "root")
-    root = root_module._fsdp_unit
     schedule = Schedule(list(units), root)
-    for unit, path in units.items():
-        unit.name = path
-        unit.lazy_init(schedule, is_root=root_module in unit.modules)
+    try:
+        for unit, path in units.items():
+            unit.name = path
+            unit.lazy_init(schedule, is_root=unit is root)
+    except Exception:  # (parameters still on meta): once that is mended, the next forward starts afresh
+        for unit in units:
+            unit.schedule = None
+        raise
 
 
 def _map_tensors(fn, tree):

@@ -613,6 +613,52 @@ def test_a_failed_gather_is_the_error_a_later_reset_reports_too():
                                                     "reset RuntimeError the gather failed"], res.stdout
 
 
+FIRST_FORWARD_REFUSED = """
+import torch, torch.distributed as dist, torch.nn as nn
+from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
+from fsdp_impl import fully_shard
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+torch.manual_seed(0)
+plain = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+x = torch.randn(2, 4)
+with torch.device("meta"):
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+fully_shard(model[0])
+fully_shard(model)
+try:
+    model(x)
+except RuntimeError as e:
+    print("meta refused", "meta device" in str(e))
+model.to_empty(device="cpu")
+with torch.no_grad():
+    for p, q in zip(model.parameters(), plain.parameters()):
+        p.to_local().copy_(q)
+print("then trains", torch.equal(model(x), plain(x)), model[0]._fsdp_unit.schedule is model._fsdp_unit.schedule)
+for shard in (fsdp2_fully_shard, fully_shard):
+    outer = nn.Sequential(nn.Linear(4, 4), nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1)))
+    shard(outer[1][0])
+    shard([outer[0], outer[1]])
+    try:
+        outer(x)
+        print("grouped root ran")
+    except RuntimeError as e:
+        print("grouped root refused", str(e).splitlines()[0][:40])
+"""
+
+
+def test_a_refused_first_forward_can_be_retried_and_a_grouped_root_is_refused():
+    """A first forward refused for parameters still on meta leaves nothing half set up: once they are
+    materialized, the next forward sets the units up and computes the plain model's numbers. A root
+    unit of several modules (fully_shard([a, b]), run from an unsharded parent) is refused, as FSDP2
+    refuses it, instead of leaving a unit nested under b out of the root's schedule."""
+    res = launch([sys.executable, "-c", FIRST_FORWARD_REFUSED], timeout=120)
+    assert res.returncode == 0, res.describe()
+    lines = res.stdout.strip().splitlines()[-4:]
+    assert lines[:2] == ["meta refused True", "then trains True True"], res.stdout
+    assert lines[2].startswith("grouped root refused"), lines  # FSDP2, the reference behaviour
+    assert lines[3].startswith("grouped root refused fully_shard: the root unit holds 2"), lines
+
+
 @pytest.mark.parametrize("value, expected", [(True, True), (False, False), (None, None), (4, True), (1, False)])
 def test_reshard_after_forward_takes_fsdp2s_values(value, expected):
     """FSDP2 reads an int as the group to reshard to after forward: the whole shard group is True,
