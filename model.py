@@ -98,15 +98,17 @@ class GPT(nn.Module):
         return n
 
     @torch.no_grad()
-    def init_weights(self, seed=0):
-        """Deterministic init: each parameter from a generator seeded by (seed, its name).
+    def init_weights(self, seed=0, weights=None):
+        """Deterministic init: each parameter from a generator seeded by (seed, its name), or
+        from `weights` (a full state dict, GPT-2's) when given.
 
         Works on plain tensors and on sharded DTensors: a DTensor receives its local piece of
         the full tensor, built one parameter at a time (never the whole model at once).
         """
         from torch.distributed.tensor import DTensor, distribute_tensor
         for name, p in self.named_parameters():
-            full = self._initial_value(name, tuple(p.shape), seed).to(p.dtype)
+            full = weights[name] if weights is not None else self._initial_value(name, tuple(p.shape), seed)
+            full = full.to(p.dtype)
             if isinstance(p, DTensor):
                 # src_data_rank=None: every rank built the same full tensor, so no communication
                 local = distribute_tensor(full.to(p.device), p.device_mesh, p.placements,

@@ -285,16 +285,7 @@ else:  # OpenAI's GPT-2 weights
 
 def materialize(m):
     """Give the (possibly sharded) model its weights, one parameter at a time."""
-    m.init_weights(seed)
-    if pretrained is not None:
-        for name, p in m.named_parameters():
-            full = pretrained[name].to(p.dtype)
-            if hasattr(p, "device_mesh"):  # a DTensor shard: take our piece
-                from torch.distributed.tensor import distribute_tensor
-                full = distribute_tensor(full.to(p.device), p.device_mesh, p.placements, src_data_rank=None).to_local()
-                p = p.to_local()
-            with torch.no_grad():
-                p.copy_(full)
+    m.init_weights(seed, pretrained)
 
 
 comm = observe.CommCounter()  # collectives per training step, for bench.py
