@@ -8,7 +8,9 @@ The one place where the distributed backends differ. train.py talks to a Backend
     backend.set_grad_sync(model, is_last_micro_step)  # no_sync-style accumulation
     backend.backward(loss)
     norm = backend.clip_grad_norm(optimizer, max_norm)  # total norm before clipping (0-dim tensor)
-    backend.step(optimizer)
+    backend.step(optimizer)                           # or skip_step(optimizer): a non-finite step skipped
+    backend.loss_scaling, loss_scale_state(), load_loss_scale_state(state)  # float16's scaler (DDP), checkpointed
+    gpt = backend.unwrap(model)                       # the GPT inside: its optimizer groups, MFU
 
 `fsdp` is PyTorch's FSDP2 (torch.distributed.fsdp.fully_shard); `custom_fsdp` is ours
 (fsdp_impl), with the same API, so the two share one class and differ only in the import.
@@ -138,7 +140,6 @@ def make_backend(name, cfg):
 
 
 class Backend:
-    sharded = False
     loss_scaling = False  # float16 under DDP: overflowing steps are expected and skipped by the scaler
 
     def __init__(self, cfg):
@@ -261,7 +262,6 @@ class DDPBackend(Backend):
 
 class FSDPBackend(Backend):
     """FSDP2 ('fsdp') or ours ('custom_fsdp'): the same calls, two implementations."""
-    sharded = True
 
     def __init__(self, name, cfg):
         super().__init__(cfg)
@@ -334,12 +334,12 @@ class FSDPBackend(Backend):
         materialize(model)
         # explicit prefetch lists, so both implementations prefetch the same units: in forward
         # the next unit, in backward the one that runs backward next ([] switches it off)
-        blocks, on = [g[0] for g in groups], self.cfg["prefetch"]
-        orders = {"set_modules_to_forward_prefetch": [model] + blocks,
-                  "set_modules_to_backward_prefetch": [model] + blocks[::-1]}
+        heads, on = [g[0] for g in groups], self.cfg["prefetch"]  # (a unit's first block stands for it)
+        orders = {"set_modules_to_forward_prefetch": [model] + heads,
+                  "set_modules_to_backward_prefetch": [model] + heads[::-1]}
         for setter, order in orders.items():
-            for unit, nxt in zip(order, order[1:] + [None]):
-                getattr(unit, setter)([nxt] if on and nxt is not None else [])
+            for module, nxt in zip(order, order[1:] + [None]):
+                getattr(module, setter)([nxt] if on and nxt is not None else [])
         return model
 
     def set_grad_sync(self, model, enabled):

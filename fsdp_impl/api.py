@@ -85,7 +85,7 @@ def fully_shard(module, *, mesh=None, reshard_after_forward=None, mp_policy=Mixe
     # holding some of the unit's parameters (FSDP2 hooks every such module too). A load with
     # assign=True into a materialized unit then rebuilds its flat shard once per such module: a
     # one-time copy, where a load into a meta model builds it once, after its last module
-    for owner in dict.fromkeys(modules + [module for ps in unit.params for module, _ in ps.registrations]):
+    for owner in dict.fromkeys(modules + [owner for ps in unit.params for owner, _ in ps.registrations]):
         owner.register_state_dict_pre_hook(lambda *_: unit.reshard())
         owner._register_load_state_dict_pre_hook(lambda *_: unit.reshard())
         owner.register_load_state_dict_post_hook(lambda *_: unit.adopt_assigned_params())
@@ -211,22 +211,16 @@ def _post_forward(module, args, output):
     for u in ending:
         u.post_forward(grad_enabled)
     if grad_enabled:
-        _map_tensors(lambda t: _hook_pre_backward(t, ending), output)
+        _map_tensors(lambda t: _register_pre_backward(t, ending), output)
     return output
 
 
-def _hook_pre_backward(tensor, units):
+def _register_pre_backward(tensor, units):
+    """Start each unit's backward when the gradient of `tensor`, one of their outputs, arrives."""
     if tensor.requires_grad:
         for unit in units:
-            tensor.register_hook(_pre_backward_hook(unit))
+            tensor.register_hook(lambda grad, unit=unit: unit.pre_backward())  # (None: the grad unchanged)
     return tensor
-
-
-def _pre_backward_hook(unit):
-    def hook(grad):
-        unit.pre_backward()
-        return grad
-    return hook
 
 
 class FSDPModule:

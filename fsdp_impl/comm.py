@@ -76,7 +76,7 @@ def library_collective(name):
     return getattr(dist, name, None) or getattr(dist, _OLDER_NAMES[name])
 
 
-def exchanges(group, device):
+def goes_point_to_point(group, device):
     """Whether collectives over `group` go point to point, as messages between ranks: gloo with CPU
     tensors and more than one rank (see exchange)."""
     return group.size() > 1 and device.type == "cpu" and dist.get_backend(group) == "gloo"
@@ -228,7 +228,7 @@ def all_gather(slots, pieces, group):
         for slot, piece in zip(slots, pieces):
             slot[0].copy_(piece, non_blocking=True)  # (asynchronous from a pinned, offloaded shard)
         return _Exchange()
-    if exchanges(group, slots[0].device):
+    if goes_point_to_point(group, slots[0].device):
         me = group.rank()
         peers = [peer for peer in range(group.size()) if peer != me]
         posted = exchange("all_gather", nbytes, [(peer, piece) for peer in peers for piece in pieces],
@@ -247,7 +247,7 @@ def reduce_scatter(output, input, group):
     (CPU tensors) the halves are exchanged (reduce_scatter_pair); otherwise the library's
     reduce-scatter.
     """
-    if group.size() == 2 and exchanges(group, input.device):
+    if group.size() == 2 and goes_point_to_point(group, input.device):
         halves = input.view(2, -1)
         return reduce_scatter_pair(output, [output], [halves[group.rank()]], [halves[1 - group.rank()]], group)
     ledger.count("reduce_scatter", input.numel() * input.element_size())

@@ -41,7 +41,7 @@ class BufferPool:
     backward, where they are all in use. CUDA's caching allocator already does this job, so on
     CUDA buffers pass straight through.
     """
-    REUSE = {"cpu": True}  # by device type
+    REUSE = {"cpu": True}  # by device type (tests switch CPU's off: fsdp_worker.py's no_buffer_pool mode)
 
     def __init__(self, device):
         self.device = device

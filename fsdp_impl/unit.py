@@ -31,7 +31,10 @@ Trade (gloo): a message per parameter costs a rendezvous each, where one per uni
 of the unit; measured, the copies cost more at 47M parameters and the two were even at 5M
 (IMPLEMENTATION.md).
 
-State machine: SHARDED -> GATHERING (all-gather in flight) -> UNSHARDED -> SHARDED.
+Two state machines. Where the parameters are (`state`): SHARDED -> GATHERING (all-gather in
+flight) -> UNSHARDED -> SHARDED. Where the unit is in a step (`training_state`): idle -> forward
+(pre-forward to post-forward) -> idle -> pre_backward (its outputs' first grad to its
+post-backward) -> idle.
 """
 import math
 from contextlib import nullcontext
@@ -142,7 +145,7 @@ class ShardedUnit:
         self.modules_to_run = set()  # of a forward under way: a grouped unit's ends once all of them ran
         self.needs_post_backward = False  # a forward with grad ran: its backward will bring grads
         self.holds_unreduced_grads = False  # accumulated with gradient sync off, not yet reduce-scattered
-        self._gather = None  # (work, output, input, copy-in event or None) while GATHERING
+        self._gather = None  # (work, output, input: kept alive for the collective to read, copy-in event or None) while GATHERING
         self._copied_out = None  # offload: event of the grads' copy to CPU memory, while in flight
         self._full_memory = None  # from buffers.fill(flat_full), for buffers.drain()
         self._reduction = None  # (work, input, output, params) while a reduce-scatter is in flight
@@ -252,7 +255,7 @@ class ShardedUnit:
         self._full_slots = [self.flat_full[ps.offset * self.world:(ps.offset + ps.padded_numel) * self.world]
                             .view(self.world, -1) for ps in self.params]
         self.flat_full.untyped_storage().resize_(0)
-        self.point_to_point = comm.exchanges(self.shard_group, self.compute_device)
+        self.point_to_point = comm.goes_point_to_point(self.shard_group, self.compute_device)
         self._sync_requires_grad()
 
     @torch.no_grad()  # (with grad on, the copy would record a graph back to the replaced tensors, keeping them)
@@ -444,7 +447,7 @@ class ShardedUnit:
     def pre_backward(self):
         if self.training_state == "pre_backward" and self.needs_post_backward:
             return  # another output of the same forward
-        # (after this unit's post-backward, a unit called twice: the other call's backward comes)
+        # (after this unit's post-backward: a unit called twice in forward, and this is the other call's backward)
         self.training_state = "pre_backward"
         self.needs_post_backward = True  # also when an earlier backward through this graph took the grads
         self.schedule.queue_end_of_backward()
@@ -473,9 +476,9 @@ class ShardedUnit:
                 ps.accumulated_grad += ps.unsharded.grad
                 ps.unsharded.grad = None
         self.holds_unreduced_grads = not self.requires_grad_sync
+        if self.reshard_after_backward:
+            self.reshard()  # (the unsharded grads are tensors of their own: they stay)
         if not self.requires_grad_sync:
-            if self.reshard_after_backward:
-                self.reshard()
             for ps in self.params:  # hold the running sum in reduce_dtype (FSDP2 does the same)
                 if ps.unsharded.grad is not None and ps.unsharded.grad.dtype != self.reduce_dtype:
                     ps.accumulated_grad = ps.unsharded.grad.to(self.reduce_dtype)
@@ -485,8 +488,6 @@ class ShardedUnit:
         grads = [ps.take_unsharded_grad() for ps in with_grad]
         if len({g.dtype for g in grads}) > 1:  # float32 sums beside first grads that came in bf16 now
             grads = [g.to(self.reduce_dtype) for g in grads]
-        if self.reshard_after_backward:
-            self.reshard()
         if grads:
             self.schedule.finish_reductions()  # at most one reduce-scatter in flight
             self._reduce_scatter(with_grad, grads)
@@ -513,7 +514,7 @@ class ShardedUnit:
                     # more host time per unit (MEASUREMENTS.md, fourth GPU round)
                     torch._foreach_copy_(rs_input.split([ps.padded_numel for ps in params]),
                                          [grad.flatten() for grad in grads])
-                if copy_out is not None:  # (which reads the grads until then)
+                if copy_out is not None:  # the grads stay alive until the copy-out stream has read them
                     self.schedule.hold_until_read(list(grads), copy_out.record_event())
             else:
                 rs_input = self.schedule.buffers.take(self.world * numel, self.reduce_dtype)

@@ -346,7 +346,7 @@ def parity_modes(world, mesh1d, mesh2d):
     modes["no_buffer_pool"] = no_buffer_pool
 
     def library_collectives(impl):  # NCCL's path on CPU: rank-major buffers, copy-out, _chunk_cat
-        with mock.patch.object(comm, "exchanges", lambda group, device: False):
+        with mock.patch.object(comm, "goes_point_to_point", lambda group, device: False):
             model = build_gpt(impl, mesh1d)
             r = train(model, "library_collectives", micro=MICRO, micro_setup=sync_off)
         point_to_point = impl == "ours" and any(u.point_to_point for u in units_of(model))
