@@ -541,6 +541,12 @@ def test_schedule_zero2_keeps_params_until_backward(results, world):
             assert ev.index(("free", u)) > ev.index(("backward_end", u))
 
 
+def _last_lines(script, n):
+    """Run a python script in a process of its own; its last n lines of output."""
+    res = launch([sys.executable, "-c", script], timeout=120)
+    assert res.returncode == 0, res.describe()
+    return res.stdout.strip().splitlines()[-n:]
+
 
 DTENSOR_ON_ANOTHER_DEVICE = """
 import torch, torch.distributed as dist
@@ -567,9 +573,7 @@ def test_sharded_params_stay_where_their_flat_shard_is():
     must be DTensors around views of it, not copies on the GPU (which the optimizer would update
     while the all-gathers read the unchanged flat shard). Checked on a CUDA-typed mesh object:
     DTensor.from_local tries to move the tensor there; dtensor_around keeps the view."""
-    res = launch([sys.executable, "-c", DTENSOR_ON_ANOTHER_DEVICE], timeout=120)
-    assert res.returncode == 0, res.describe()
-    assert res.stdout.strip().splitlines()[-1] == "cpu torch.Size([4, 2]) 8.0 yes"
+    assert _last_lines(DTENSOR_ON_ANOTHER_DEVICE, 1) == ["cpu torch.Size([4, 2]) 8.0 yes"]
 
 
 def test_collectives_fall_back_to_their_older_names(monkeypatch):
@@ -607,10 +611,8 @@ def test_a_failed_gather_is_the_error_a_later_reset_reports_too():
     """An all-gather whose wait raises (a peer gone, a timeout) leaves the unit gathering: resharding
     it later (reset_iter_state after the caught error) waits again and raises that error, not a
     TypeError of its own."""
-    res = launch([sys.executable, "-c", FAILED_GATHER], timeout=120)
-    assert res.returncode == 0, res.describe()
-    assert res.stdout.strip().splitlines()[-2:] == ["forward RuntimeError the gather failed",
-                                                    "reset RuntimeError the gather failed"], res.stdout
+    assert _last_lines(FAILED_GATHER, 2) == ["forward RuntimeError the gather failed",
+                                             "reset RuntimeError the gather failed"]
 
 
 FIRST_FORWARD_REFUSED = """
@@ -651,10 +653,8 @@ def test_a_refused_first_forward_can_be_retried_and_a_grouped_root_is_refused():
     materialized, the next forward sets the units up and computes the plain model's numbers. A root
     unit of several modules (fully_shard([a, b]), run from an unsharded parent) is refused, as FSDP2
     refuses it, instead of leaving a unit nested under b out of the root's schedule."""
-    res = launch([sys.executable, "-c", FIRST_FORWARD_REFUSED], timeout=120)
-    assert res.returncode == 0, res.describe()
-    lines = res.stdout.strip().splitlines()[-4:]
-    assert lines[:2] == ["meta refused True", "then trains True True"], res.stdout
+    lines = _last_lines(FIRST_FORWARD_REFUSED, 4)
+    assert lines[:2] == ["meta refused True", "then trains True True"], lines
     assert lines[2].startswith("grouped root refused"), lines  # FSDP2, the reference behaviour
     assert lines[3].startswith("grouped root refused fully_shard: the root unit holds 2"), lines
 
@@ -712,10 +712,8 @@ def test_torchs_policy_objects_mean_what_they_mean_to_fsdp2():
     """Code written for FSDP2 passes torch's base OffloadPolicy() (its default, no offload) and may
     pass an int reshard_after_forward: the first trains as FSDP2 does, on CPU; an int that names no
     group of the mesh is refused by both, and so is None given to set_reshard_after_forward."""
-    res = launch([sys.executable, "-c", FSDP2_POLICY_OBJECTS], timeout=120)
-    assert res.returncode == 0, res.describe()
-    lines = res.stdout.strip().splitlines()[-6:]
-    assert lines[:2] == ["offload False", "same True"], res.stdout
+    lines = _last_lines(FSDP2_POLICY_OBJECTS, 6)
+    assert lines[:2] == ["offload False", "same True"], lines
     assert lines[2].startswith("refused"), lines  # FSDP2, the reference behaviour
     assert lines[3].startswith("refused reshard_after_forward=3 over 1 ranks"), lines
     assert lines[4].startswith("refused"), lines  # FSDP2 again: set_reshard_after_forward(None)
