@@ -212,9 +212,9 @@ def test_elastic_restart_continues_from_the_last_checkpoint(args, unbroken, tmp_
 
 def test_keeps_the_last_k_checkpoints(args, tmp_path):
     res = run_train(tmp_path, 1, *args, "--dist_backend=custom_fsdp", "--eval_interval=2", "--max_iters=8",
-                    "--keep_checkpoints=2")
+                    "--keep_checkpoints=3")  # (not 2, checkpoint.save's own default)
     assert res.returncode == 0, res.describe()
-    assert sorted(p.name for p in tmp_path.glob("ckpt-*")) == ["ckpt-0000006", "ckpt-0000008"]
+    assert sorted(p.name for p in tmp_path.glob("ckpt-*")) == ["ckpt-0000004", "ckpt-0000006", "ckpt-0000008"]
     manifest = json.loads((tmp_path / "ckpt-0000008" / "manifest.json").read_text())
     assert manifest["world_size"] == 1 and manifest["dist_backend"] == "custom_fsdp"
     assert manifest["iter_num"] == 8 and manifest["model_args"]["n_layer"] == 2
@@ -430,6 +430,9 @@ def saved(args, tmp_path_factory):
 def test_resume_rejects_a_different_model_shape(args, saved):
     line = one_error_line(run_train(saved, 2, *args, "--dist_backend=custom_fsdp", "--init_from=resume", "--n_embd=64"))
     assert "n_embd=32" in line and "n_embd=64" in line
+    # n_head changes no parameter's shape: the weights would load, into another model
+    line = one_error_line(run_train(saved, None, *args, "--dist_backend=ddp", "--init_from=resume", "--n_head=4"))
+    assert "n_head=2 but this run asks n_head=4" in line
 
 
 def test_resume_rejects_a_newer_format_version(args, saved, tmp_path):
@@ -501,6 +504,30 @@ def test_resume_takes_this_runs_optimizer_settings(args, saved, tmp_path):
         assert res.returncode == 0, res.describe()
         runs[beta1] = losses(out)
     assert runs[0.9][5] != runs[0.1][5]  # the step at iteration 4 used the new beta1
+
+
+def test_resume_keeps_the_checkpoints_best_val_loss(args, saved, tmp_path):
+    """With always_save_checkpoint=False a resumed run saves only a validation loss below the
+    checkpoint's best (made unbeatable here: the manifest carries no checksum), not its first one."""
+    out = tmp_path / "out"
+    subprocess.run(["cp", "-r", str(saved), str(out)], check=True)
+    manifest_path = out / "ckpt-0000004" / "manifest.json"
+    manifest_path.write_text(json.dumps({**json.loads(manifest_path.read_text()), "best_val_loss": 0.5}))
+    res = run_train(out, None, *args, "--dist_backend=custom_fsdp", "--init_from=resume", "--max_iters=8",
+                    "--always_save_checkpoint=False")
+    assert res.returncode == 0 and "step 8: train loss" in res.stdout, res.describe()
+    assert sorted(p.name for p in out.glob("ckpt-*")) == ["ckpt-0000004"]
+
+
+def test_a_float32_checkpoint_resumes_under_float16_with_a_fresh_loss_scale(args, saved, tmp_path):
+    """A checkpoint without a loss scale (saved in float32, by custom_fsdp) resumed by DDP in float16."""
+    out = tmp_path / "out"
+    subprocess.run(["cp", "-r", str(saved), str(out)], check=True)
+    assert json.loads((out / "ckpt-0000004" / "manifest.json").read_text())["loss_scale"] == {}
+    res = run_train(out, None, *args, "--dist_backend=ddp", "--dtype=float16", "--init_from=resume", "--max_iters=8")
+    assert res.returncode == 0, res.describe()
+    scale = json.loads((out / "ckpt-0000008" / "manifest.json").read_text())["loss_scale"]
+    assert scale["scale"] == 65536.0 and scale["_growth_tracker"] == 4, scale  # GradScaler's start, four steps on
 
 
 def test_float16_loss_scale_is_checkpointed_and_skips_close_the_step(args, tmp_path):
