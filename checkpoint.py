@@ -123,17 +123,22 @@ def _by_save_time(out_dir):
             return recorded
         manifest = os.path.join(out_dir, name, "manifest.json")
         return os.path.getmtime(manifest) if os.path.exists(manifest) else 0.0
-    return sorted((d for d in os.listdir(out_dir) if d.startswith("ckpt-") and "." not in d), key=saved_at)
+    names = set(os.listdir(out_dir))
+    # a .old is its iteration's checkpoint where a crash cut that iteration's re-save short (latest_path)
+    dirs = [d for d in names if "." not in d or d.endswith(".old") and d[:-4] not in names]
+    return sorted((d for d in dirs if d.startswith("ckpt-")), key=saved_at)
 
 
 def _prune(out_dir, keep, count):
     """Keep checkpoint `keep` (just saved) and the count-1 others saved last; remove what saves cut
-    short by a crash left (`*.tmp`: never loadable, and otherwise kept until that iteration is saved again)."""
+    short by a crash left (`*.tmp`: never loadable; a `.old` beside its replacement), which would
+    otherwise stay until that iteration is saved again."""
     others = [d for d in _by_save_time(out_dir) if d != keep]
     for old in others[:max(0, len(others) - (count - 1))]:
         shutil.rmtree(os.path.join(out_dir, old))
     for name in os.listdir(out_dir):
-        if name.startswith("ckpt-") and name.endswith(".tmp"):
+        replaced = name.endswith(".old") and os.path.exists(os.path.join(out_dir, name[:-4]))
+        if name.startswith("ckpt-") and (name.endswith(".tmp") or replaced):
             shutil.rmtree(os.path.join(out_dir, name), ignore_errors=True)
 
 

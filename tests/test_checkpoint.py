@@ -151,6 +151,22 @@ def test_latest_written_by_hand_with_a_newline_and_a_leftover_old_copy(saved):
     assert checkpoint.latest_path(str(out)) == str(ckpt)
 
 
+def test_an_old_copy_counts_among_the_kept_checkpoints_and_goes_once_replaced(saved):
+    """A .old left by a crash in the re-save of its iteration is that iteration's checkpoint (a
+    resume loads it): pruning keeps it or removes it like any other. One left beside the copy that
+    replaced it goes at the next save."""
+    out, ckpt, gpt, opt = saved
+    os.rename(ckpt, f"{ckpt}.old")
+    names = lambda: sorted(p.name for p in out.glob("ckpt-*"))  # noqa: E731
+    save(out, 5, gpt, opt)
+    assert names() == ["ckpt-0000003.old", "ckpt-0000005"]
+    save(out, 6, gpt, opt)
+    assert names() == ["ckpt-0000005", "ckpt-0000006"]
+    shutil.copytree(out / "ckpt-0000006", out / "ckpt-0000006.old")
+    save(out, 7, gpt, opt)
+    assert names() == ["ckpt-0000006", "ckpt-0000007"]
+
+
 def test_keeping_more_than_were_saved_prunes_none_and_the_newest_intact_one_is_named(tmp_path):
     gpt, opt = trained_gpt(1)
     for it in (1, 2, 3, 4):
