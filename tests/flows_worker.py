@@ -23,6 +23,7 @@ import warnings
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -35,6 +36,7 @@ from torch.utils.checkpoint import checkpoint
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from fsdp_impl import MixedPrecisionPolicy as OurMixedPrecision  # noqa: E402
+from fsdp_impl import comm  # noqa: E402
 from fsdp_impl import fully_shard as our_fully_shard  # noqa: E402
 from fsdp_impl.comm import ledger  # noqa: E402
 
@@ -313,27 +315,53 @@ def dataclass_output(impl, mesh):
     return train(build(impl, mesh, dataclass_output=True))
 
 
-def reset_after_exception_in_backward(impl, mesh):
+def fail_halfway_through_backward(model, x):
+    """A forward and a backward that raises halfway: after blocks.2 and blocks.1, before blocks.0 and
+    the root. Then FSDP2's documented recovery (reset_iter_state()), and the failed step's partial
+    grads dropped (zero_grad): no update."""
     def fail(grad):
         raise RuntimeError("injected failure in backward")
 
     def arm(module, args, output):
         output.register_hook(fail)
 
+    handle = model.blocks[0].register_forward_hook(arm)
+    try:
+        model(x).backward()
+    except RuntimeError as e:
+        if "injected failure" not in str(e):
+            raise
+    handle.remove()
+    model.reset_iter_state()
+    model.zero_grad(set_to_none=True)
+
+
+def reset_after_exception_in_backward(impl, mesh):
     def fwd_bwd(model, s):
         if s > 0:
             return plain_step(model, s)
-        handle = model.blocks[0].register_forward_hook(arm)
-        try:  # raises halfway through backward: after blocks.2 and blocks.1, before blocks.0 and the root
-            model(data(s)).backward()
-        except RuntimeError as e:
-            if "injected failure" not in str(e):
-                raise
-        handle.remove()
-        model.reset_iter_state()  # FSDP2's documented recovery after an exception
-        model.zero_grad(set_to_none=True)  # the failed step's partial grads are dropped: no update
+        fail_halfway_through_backward(model, data(s))
     # FSDP2 keeps the unsharded grads its root (the head) accumulated before the failure and adds
     # them to the next step's (zero_grad() does not reach them): the reference is the plain model
+    return train(build(impl, mesh), fwd_bwd)
+
+
+def hsdp_reset_after_exception_with_kept_sums(impl, mesh):
+    """HSDP (2 replicas of 1 shard): a micro-step with the all-reduce off keeps each unit's
+    replica-local sums; the next, with it on, raises halfway through backward (blocks.0 and the root
+    still hold their kept sums). reset_iter_state() drops them with the failed step's grads: the
+    next steps train on their own grads only. The reference is the plain model (FSDP2 keeps its
+    root's unsharded grads across the reset, as above)."""
+    if impl == "ours":
+        mesh = init_device_mesh("cpu", (dist.get_world_size(), 1), mesh_dim_names=("replicate", "shard"))
+
+    def fwd_bwd(model, s):
+        if s > 0:
+            return plain_step(model, s)
+        model.set_requires_all_reduce(False)
+        model(data(s, 0)).backward()
+        model.set_requires_all_reduce(True)
+        fail_halfway_through_backward(model, data(s, 1))
     return train(build(impl, mesh), fwd_bwd)
 
 
@@ -384,6 +412,18 @@ def bf16_first_grad_in_the_sync_micro_step(impl, mesh):
             setattr(model, "skip" if impl == "ours" else "mute", (2,) if micro == 0 else ())
             model(data(s, micro)).backward()
     return train(build(impl, mesh, bf16=True, grouped=True), fwd_bwd)
+
+
+def bf16_first_grad_in_the_sync_micro_step_library_collectives(impl, mesh):
+    """The same on the library collectives' path (NCCL's, and gloo's beyond two ranks), where the
+    float32 sums and the bf16 first grad go into one rank-major reduce-scatter input (_chunk_cat,
+    which takes a single dtype); two ranks' exchanges cast each grad on its own."""
+    asked = []  # (so the flow fails if fsdp_impl stops asking comm.exchanges which path to take)
+    with mock.patch.object(comm, "exchanges", lambda group, device: asked.append(group) or False):
+        result = bf16_first_grad_in_the_sync_micro_step(impl, mesh)
+    if impl == "ours" and not asked:
+        raise AssertionError("the flow did not take the library collectives' path")
+    return result
 
 
 def hsdp_all_reduce_off(impl, mesh, skips):
@@ -527,7 +567,8 @@ def unshard_under_inference_mode_before_each_forward(impl, mesh):
 
 HSDP_FLOWS = [hsdp_gradient_sync_switches_the_all_reduce_on,
               hsdp_kept_sums_lack_the_units_last_module, hsdp_kept_sums_lack_the_units_first_module,
-              hsdp_all_reduce_micro_step_skips_a_module, hsdp_all_reduce_micro_step_skips_the_unit]
+              hsdp_all_reduce_micro_step_skips_a_module, hsdp_all_reduce_micro_step_skips_the_unit,
+              hsdp_reset_after_exception_with_kept_sums]
 
 
 def forward_pre_hook_registered_before_fully_shard(impl, mesh):
@@ -541,7 +582,8 @@ FLOWS = [retain_graph, autograd_grad_then_backward, partial_no_grad_forward_befo
          load_state_dict_assign, load_state_dict_assign_meta, grouped_unit_last_module_skipped,
          grouped_unit_listed_out_of_order, dataclass_output, reset_after_exception_in_backward, unit_skipped_in_the_sync_micro_step,
          optimizer_step_in_backward, reentrant_checkpoint_two_forwards, mixed_precision_dataclass_io,
-         forward_pre_hook_registered_before_fully_shard, bf16_first_grad_in_the_sync_micro_step, *HSDP_FLOWS,
+         forward_pre_hook_registered_before_fully_shard, bf16_first_grad_in_the_sync_micro_step,
+         bf16_first_grad_in_the_sync_micro_step_library_collectives, *HSDP_FLOWS,
          reused_layer_outside_then_checkpointed, reused_layer_checkpointed_then_outside,
          reused_layer_checkpointed_twice, inference_mode_forward_between_steps, inference_mode_first_forward,
          dtype_changed_after_fully_shard, unshard_before_each_forward,
@@ -588,6 +630,37 @@ def grouped_unit_output_dtypes(impl, mesh):
         block.register_forward_hook(lambda module, args, out, i=i: seen.__setitem__(f"blocks.{i}", str(out.dtype)))
     model(data(0)).backward()
     return seen
+
+
+def memory_report_of_uneven_shards(impl, mesh):
+    """observe.Observer.memory (train.py's memory rows) after a step of a Linear(3, 5) sharded by rows,
+    which leaves rank 0 three rows of 5 and rank 1 two, where rank 0 has dropped its grads and rank 1
+    has touched 128 MB more (so each rank holds the most of something): the row, and every rank's
+    own bytes of parameters, gradients and AdamW state and its own peak RSS before and after it."""
+    import observe
+    torch.manual_seed(0)
+    model = nn.Linear(3, 5)
+    SHARD[impl](model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, foreach=False)
+    model(data(0)[:, :3]).sum().backward()
+    opt.step()
+    if dist.get_rank() == 0:
+        opt.zero_grad(set_to_none=True)
+    peak = torch.ones(32 * 2**20) if dist.get_rank() == 1 else None  # noqa: F841 (alive through the report)
+
+    def nbytes(tensors):
+        return sum(t.to_local().numel() * t.element_size() if isinstance(t, DTensor) else t.numel() * t.element_size()
+                   for t in tensors) / 2**20
+    own = {"params_mb": nbytes(model.parameters()),
+           "grads_mb": nbytes(p.grad for p in model.parameters() if p.grad is not None),
+           "optim_mb": nbytes(v for st in opt.state.values() for v in st.values())}
+    rss_before = observe.rss_mb()
+    row = observe.Observer("unused", impl, dist.get_rank(), "cpu", profile=False, memory_snapshot=False).memory(
+        "after first step", model, opt)
+    own["rss_before"], own["rss_after"] = rss_before, observe.rss_mb()
+    ranks = [None] * dist.get_world_size()
+    dist.all_gather_object(ranks, own)
+    return {"row": row, "ranks": ranks}
 
 
 def freed_after_del(impl, mesh):
@@ -772,8 +845,8 @@ def main():
     dist.init_process_group("gloo")
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     result = {flow.__name__: compare(flow, mesh) for flow in FLOWS}
-    for check in (grouped_unit_output_dtypes, freed_after_del, fully_shard_twice, list_argument_and_dropped_forward,
-                  inplace_on_a_view_output, late_unshard_handle_wait, deepcopy_of_a_sharded_model,
+    for check in (grouped_unit_output_dtypes, memory_report_of_uneven_shards, freed_after_del, fully_shard_twice,
+                  list_argument_and_dropped_forward, inplace_on_a_view_output, late_unshard_handle_wait, deepcopy_of_a_sharded_model,
                   submodule_state_dict_while_gathered, meta_model_first_forward, graphs_of_compiled_blocks):
         result[check.__name__] = {impl: check(impl, mesh) for impl in ("fsdp2", "ours")}
     # The last flow can kill the process (fsdp_impl segfaulted there). The other flows' results are

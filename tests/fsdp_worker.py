@@ -373,7 +373,21 @@ def parity_modes(world, mesh1d, mesh2d):
         return train(build_gpt(impl, mesh1d, mp=bf16), "bf16_grad_accum", micro=MICRO, micro_setup=sync_off)
     modes["bf16_grad_accum"] = bf16_grad_accum
 
+    @no_extra
+    def bf16_reduce_bf16(impl):  # reduce_dtype left out: the grads reduce in bf16 (param_dtype), into float32 .grads
+        return train(build_gpt(impl, mesh1d, mp=dict(param_dtype=torch.bfloat16)), "bf16_reduce_bf16")
+    modes["bf16_reduce_bf16"] = bf16_reduce_bf16
+
     if mesh2d is not None:
+        @no_extra
+        def hsdp_replicate_only_bf16(impl):
+            """train.py's bf16 with replicate_degree = the world size: shard groups of one rank, whose
+            reduce-scatter is a copy and cast to float32 (the grads are bf16), then the float32
+            all-reduce alone averages. (No accumulation: its float32 sums would hide a missed cast.)"""
+            mesh = init_device_mesh("cpu", (world, 1), mesh_dim_names=("replicate", "shard"))
+            return train(build_gpt(impl, mesh, mp=bf16), "hsdp_replicate_only_bf16")
+        modes["hsdp_replicate_only_bf16"] = hsdp_replicate_only_bf16
+
         @no_extra
         def hsdp(impl):
             return train(build_gpt(impl, mesh2d), "hsdp")

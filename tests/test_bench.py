@@ -520,6 +520,51 @@ def test_observer_counts_the_cpu_time_of_every_thread_in_a_step(tmp_path):
     assert obs.cpu_ms >= 200 and main_ms < 100, (obs.cpu_ms, main_ms)
 
 
+def test_observer_host_time_is_the_training_threads_cpu_time_of_this_step(tmp_path):
+    """train.py's host_ms: per phase, the training thread's own CPU time in this step. A phase that
+    computes 100 ms counts them; in the next step the same phase, which sleeps 200 ms while another
+    thread computes 200 ms, counts (almost) nothing: not the wall-clock time, not the other threads'
+    CPU, not the earlier step's."""
+    import threading
+    import observe
+    obs = observe.Observer(str(tmp_path), "ddp", 0, "cpu", profile=False, memory_snapshot=False)
+
+    def busy(seconds):
+        start = time.thread_time()
+        while time.thread_time() - start < seconds:
+            pass
+
+    obs.before_step()
+    with obs.host_time("forward_backward"):
+        busy(0.1)
+    obs.after_step()
+    computed = obs.host_ms["forward_backward"]
+    obs.before_step()
+    with obs.host_time("forward_backward"):
+        helper = threading.Thread(target=busy, args=(0.2,))
+        helper.start()
+        time.sleep(0.2)
+        helper.join()
+    obs.after_step()
+    assert computed >= 100 and set(obs.host_ms) == {"forward_backward"}, (computed, obs.host_ms)
+    assert obs.host_ms["forward_backward"] < 50, obs.host_ms
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/self/status")
+def test_observer_rss_is_this_process_peak_in_mb():
+    """rss_mb (the memory rows' rss_mb, and peak_mem_mb on CPU): this process's peak resident set in
+    MB, as the kernel's VmHWM (KiB) gives it (with 64 MB of its own touched)."""
+    import torch
+    import observe
+
+    def vm_hwm_mb():
+        return int(next(line for line in open("/proc/self/status") if line.startswith("VmHWM")).split()[1]) / 1024
+    held = torch.ones(16 * 2**20)  # noqa: F841 (64 MB, alive through both readings)
+    before, mine, after = vm_hwm_mb(), observe.rss_mb(), vm_hwm_mb()
+    assert before - 1 <= mine <= after + 1, (before, mine, after)
+    assert mine >= 64, mine
+
+
 @pytest.mark.parametrize("posting", [False, True])
 def test_memory_trace_notice_only_where_messages_are_posted_off_the_training_thread(posting, tmp_path, capsys):
     """--profile with --memory_snapshot on CPU records allocations, which leaves out other threads:

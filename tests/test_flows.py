@@ -22,9 +22,12 @@ all-reduce on too; requires_grad_() on the root's parameters while it is gathere
 forward, through the module and through the optimizer's object; load_state_dict(assign=True) into a
 submodule of a unit (before the first step and after one), a parameter assigned before the
 first forward, and a block's forward sending a message of its own (tag 1) while a gather is in
-flight. More checks: every module of a grouped unit returns its output in output_dtype, a
-model is freed once dropped, fully_shard twice on one module is a clear error that changes nothing,
-a block run before the root's first forward is rejected with a RuntimeError, as FSDP2 does, and an
+flight; the bf16 flow above on the library collectives' path (one rank-major reduce-scatter input
+for the float32 sums and the bf16 first grad), and under HSDP a reset_iter_state() after an
+exception in the backward that follows a micro-step with the all-reduce off (its kept sums are
+dropped). More checks: train.py's memory rows hold the largest rank's figures, every module of a
+grouped unit returns its output in output_dtype, a model is freed once dropped, fully_shard twice
+on one module is a clear error that changes nothing, a block run before the root's first forward is rejected with a RuntimeError, as FSDP2 does, and an
 unshard handle waited after the forward used its gather leaves the block sharded, and copy.deepcopy
 of a sharded model is a TypeError saying to copy its state_dict instead, and state_dict() of a
 submodule of a gathered unit holds the sharded DTensors; the first forward of a model left on the
@@ -69,7 +72,8 @@ FLOWS = ["retain_graph", "autograd_grad_then_backward", "partial_no_grad_forward
          "reused_layer_whole_block_checkpointed_two_forwards", "unit_called_twice_per_forward",
          "hsdp_gradient_sync_switches_the_all_reduce_on", "requires_grad_changed_while_gathered",
          "load_state_dict_assign_into_a_submodule", "load_state_dict_assign_into_a_submodule_after_a_step",
-         "parameter_assigned_before_the_first_forward", "own_messages_inside_a_forward"]
+         "parameter_assigned_before_the_first_forward", "own_messages_inside_a_forward",
+         "bf16_first_grad_in_the_sync_micro_step_library_collectives", "hsdp_reset_after_exception_with_kept_sums"]
 
 
 @pytest.fixture(scope="module")
@@ -100,6 +104,26 @@ def test_grouped_unit_casts_every_modules_output(report):
     r = report["grouped_unit_output_dtypes"]
     assert r["fsdp2"] == {f"blocks.{i}": "torch.float32" for i in range(3)}, r  # the reference behaviour
     assert r["ours"] == r["fsdp2"], r
+
+
+def test_memory_report_is_the_largest_rank_s(report):
+    """train.py's memory rows (observe.Observer.memory) hold the largest of the ranks' figures, each
+    rank's its own local ones: rank 0 holds 3 of a Linear(3, 5)'s 5 rows and rank 1 two, rank 0 has
+    dropped its grads, and rank 1 has the larger peak RSS. Not the sum over the ranks, nor any one
+    rank's figures."""
+    for impl in ("fsdp2", "ours"):
+        rec = report["memory_report_of_uneven_shards"][impl]
+        row, ranks = rec["row"], rec["ranks"]
+        by_rank = {key: [r[key] for r in ranks] for key in ("params_mb", "grads_mb", "optim_mb")}
+        # uneven, each way round, so that a sum, a min or one rank's figure would differ from the max
+        assert by_rank["params_mb"][0] > by_rank["params_mb"][1] > 0, (impl, by_rank)
+        assert by_rank["optim_mb"][0] > by_rank["optim_mb"][1] > 0, (impl, by_rank)
+        assert by_rank["grads_mb"][1] > by_rank["grads_mb"][0] == 0, (impl, by_rank)
+        assert ranks[1]["rss_before"] > ranks[0]["rss_after"], (impl, ranks)
+        for key, mine in by_rank.items():
+            assert row[key] == max(mine), (impl, key, row[key], mine)
+        assert ranks[1]["rss_before"] <= row["rss_mb"] <= ranks[1]["rss_after"], (impl, row, ranks)
+        assert row["event"] == "memory" and row["stage"] == "after first step"
 
 
 def test_model_is_freed_once_dropped(report):

@@ -64,9 +64,11 @@ def _no_error(section, what):
 # ---- parity with FSDP2 ----------------------------------------------------------------------
 PARITY_MODES = ["default", "grouped_blocks", "zero2", "grad_accum", "grad_accum_sync_each",
                 "no_reshard_after_backward", "no_reshard_after_backward_sync_on", "bf16_mp",
-                "bf16_grad_accum", "no_buffer_pool", "library_collectives", "gloo_messages", "meta_init", "eval_between_steps", "resume",
+                "bf16_grad_accum", "bf16_reduce_bf16", "no_buffer_pool", "library_collectives", "gloo_messages", "meta_init", "eval_between_steps", "resume",
                 "grad_clip", "activation_checkpointing", "odd_model", "odd_model_frozen", "units_without_params"]
-HSDP_MODES = ["hsdp", "hsdp_all_reduce_off"]
+# hsdp_replicate_only_bf16: bf16 with shard groups of one rank (replicate_degree = world size), where
+# the reduce-scatter is a copy and cast to float32 and the all-reduce alone averages
+HSDP_MODES = ["hsdp", "hsdp_all_reduce_off", "hsdp_replicate_only_bf16"]
 MICRO_STEP_MODES = {"grad_accum", "grad_accum_sync_each", "no_reshard_after_backward",
                     "no_reshard_after_backward_sync_on", "bf16_grad_accum", "no_buffer_pool", "library_collectives",
                     "gloo_messages", "hsdp_all_reduce_off"}
