@@ -419,7 +419,7 @@ def bf16_first_grad_in_the_sync_micro_step_library_collectives(impl, mesh):
     float32 sums and the bf16 first grad go into one rank-major reduce-scatter input (_chunk_cat,
     which takes a single dtype); two ranks' exchanges cast each grad on its own."""
     asked = []  # (so the flow fails if fsdp_impl stops asking comm.exchanges which path to take)
-    with mock.patch.object(comm, "exchanges", lambda group, device: asked.append(group) or False):
+    with mock.patch.object(comm, "goes_point_to_point", lambda group, device: asked.append(group) or False):
         result = bf16_first_grad_in_the_sync_micro_step(impl, mesh)
     if impl == "ours" and not asked:
         raise AssertionError("the flow did not take the library collectives' path")
