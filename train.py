@@ -22,7 +22,7 @@ import torch.distributed as dist
 import checkpoint
 import configurator
 import observe
-from backends import BackendError, init_distributed, make_backend, set_malloc_mmap_threshold, trim_malloc_heap
+from backends import BACKENDS, BackendError, init_distributed, make_backend, set_malloc_mmap_threshold, trim_malloc_heap
 from model import GPT, GPT2_MODELS, GPTConfig, load_pretrained_gpt2
 
 # -----------------------------------------------------------------------------
@@ -126,13 +126,9 @@ def creatable(path):
 
 
 configurator.check_device(device)
-# distributed setup: torchrun sets RANK/WORLD_SIZE; a plain `python train.py` is one process
-rank, world_size, device = init_distributed(dist_backend, backend, device, dist_timeout_s)
-config["device"] = device
-try:
-    back = make_backend(dist_backend, config)
-except BackendError as e:
-    fail(str(e))
+if backend not in ("nccl", "gloo"):
+    hint = f": for the distributed trainer, --dist_backend={backend}" if backend in BACKENDS else ""
+    fail(f"unknown backend '{backend}' (the process group's: nccl or gloo{hint})")
 if init_from not in ("scratch", "resume", *GPT2_MODELS):
     fail(f"unknown init_from '{init_from}' (choose scratch, resume, {', '.join(GPT2_MODELS)})")
 if on_nonfinite not in ("stop", "skip"):
@@ -164,18 +160,25 @@ if not 0 <= seed < 2**44:  # (the initialization and dropout draw from seeds of 
 if decay_lr and not (warmup_iters < lr_decay_iters and min_lr <= learning_rate):
     fail(f"the learning-rate schedule needs warmup_iters < lr_decay_iters and min_lr <= learning_rate "
          f"(got {warmup_iters}, {lr_decay_iters}, {min_lr}, {learning_rate})")
-if gradient_accumulation_steps % world_size and not eval_only:  # (eval_only trains nothing)
-    fail(f"gradient_accumulation_steps={gradient_accumulation_steps} is not divisible by the world size {world_size}")
-local_steps = gradient_accumulation_steps // world_size  # micro-batches on this rank per step
-tokens_per_iter = gradient_accumulation_steps * batch_size * block_size
-if master:
-    print(f"{dist_backend} on {world_size} process(es); tokens per iteration: {tokens_per_iter:,}")
 if not out_dir:
     fail("out_dir is empty: name a directory ('.' for this one)")
 if os.path.lexists(out_dir) and not os.path.isdir(out_dir):
     fail(f"out_dir {out_dir} is a file, not a directory")
 if not creatable(out_dir):  # (created before the first write, so a refused run leaves nothing behind)
     fail(f"out_dir {out_dir} is not writable")
+# distributed setup: torchrun sets RANK/WORLD_SIZE; a plain `python train.py` is one process
+rank, world_size, device = init_distributed(dist_backend, backend, device, dist_timeout_s)
+config["device"] = device
+try:
+    back = make_backend(dist_backend, config)
+except BackendError as e:
+    fail(str(e))
+if gradient_accumulation_steps % world_size and not eval_only:  # (eval_only trains nothing)
+    fail(f"gradient_accumulation_steps={gradient_accumulation_steps} is not divisible by the world size {world_size}")
+local_steps = gradient_accumulation_steps // world_size  # micro-batches on this rank per step
+tokens_per_iter = gradient_accumulation_steps * batch_size * block_size
+if master:
+    print(f"{dist_backend} on {world_size} process(es); tokens per iteration: {tokens_per_iter:,}")
 device_type = "cuda" if device.startswith("cuda") else "cpu"
 if device_type == "cpu":
     set_malloc_mmap_threshold(malloc_mmap_threshold_mb)
