@@ -14,6 +14,7 @@ the previous checkpoint.
 """
 import json
 import os
+import re
 import shutil
 import signal
 import sys
@@ -32,6 +33,7 @@ FORMAT_VERSION = 1
 # what the readers (train.py, sample.py, the export below) take from a manifest, beside the version
 MANIFEST_FIELDS = {"files": dict, "iter_num": int, "best_val_loss": (float, int), "model_args": dict, "config": dict}
 MODEL_ARGS = {"n_layer", "n_head", "n_embd", "block_size", "bias", "vocab_size"}  # the model's shape
+NAME = re.compile(r"ckpt-\d{7,}")  # ckpt-<iteration>: what pruning may remove (not a copy named ckpt-0000020-good)
 
 
 def _dcp(op, state, path):
@@ -123,23 +125,31 @@ def _by_save_time(out_dir):
             return recorded
         manifest = os.path.join(out_dir, name, "manifest.json")
         return os.path.getmtime(manifest) if os.path.exists(manifest) else 0.0
-    names = set(os.listdir(out_dir))
-    # a .old is its iteration's checkpoint where a crash cut that iteration's re-save short (latest_path)
-    dirs = [d for d in names if "." not in d or d.endswith(".old") and d[:-4] not in names]
-    return sorted((d for d in dirs if d.startswith("ckpt-")), key=saved_at)
+    return sorted(_checkpoint_dirs(out_dir)[0], key=saved_at)
+
+
+def _checkpoint_dirs(out_dir):
+    """(checkpoints, leftovers) among out_dir's directories. A save cut short by a crash leaves a
+    `.tmp`, never loadable, and a re-save of an iteration sets the one it replaces aside as `.old`:
+    that iteration's checkpoint if the re-save never took its name (latest_path resumes it), else a
+    leftover too."""
+    names = {d for d in os.listdir(out_dir) if os.path.isdir(os.path.join(out_dir, d))}
+    checkpoints, leftovers = [], []
+    for d in names:
+        base, _, suffix = d.partition(".")
+        if NAME.fullmatch(base) and suffix in ("", "old", "tmp"):
+            (checkpoints if suffix == "" or suffix == "old" and base not in names else leftovers).append(d)
+    return checkpoints, leftovers
 
 
 def _prune(out_dir, keep, count):
-    """Keep checkpoint `keep` (just saved) and the count-1 others saved last; remove what saves cut
-    short by a crash left (`*.tmp`: never loadable; a `.old` beside its replacement), which would
-    otherwise stay until that iteration is saved again."""
+    """Keep checkpoint `keep` (just saved) and the count-1 others saved last; remove the leftovers
+    of crashed saves, which would otherwise stay until their iteration is saved again."""
     others = [d for d in _by_save_time(out_dir) if d != keep]
     for old in others[:max(0, len(others) - (count - 1))]:
         shutil.rmtree(os.path.join(out_dir, old))
-    for name in os.listdir(out_dir):
-        replaced = name.endswith(".old") and os.path.exists(os.path.join(out_dir, name[:-4]))
-        if name.startswith("ckpt-") and (name.endswith(".tmp") or replaced):
-            shutil.rmtree(os.path.join(out_dir, name), ignore_errors=True)
+    for name in _checkpoint_dirs(out_dir)[1]:
+        shutil.rmtree(os.path.join(out_dir, name), ignore_errors=True)
 
 
 def holds_checkpoints(out_dir):

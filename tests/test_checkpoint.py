@@ -167,6 +167,17 @@ def test_an_old_copy_counts_among_the_kept_checkpoints_and_goes_once_replaced(sa
     assert names() == ["ckpt-0000006", "ckpt-0000007"]
 
 
+def test_pruning_leaves_what_is_not_a_checkpoint_of_its_own(saved):
+    """A user's copy of a checkpoint under another name, and a file named like one, are not
+    pruned (they were: the copy removed, the file an error after the save)."""
+    out, ckpt, gpt, opt = saved
+    shutil.copytree(ckpt, out / (ckpt.name + "-good"))
+    (out / "ckpt-notes").write_text("")
+    for it in (4, 5):
+        save(out, it, gpt, opt, keep=1)
+    assert sorted(p.name for p in out.glob("ckpt-*")) == ["ckpt-0000003-good", "ckpt-0000005", "ckpt-notes"]
+
+
 def test_keeping_more_than_were_saved_prunes_none_and_the_newest_intact_one_is_named(tmp_path):
     gpt, opt = trained_gpt(1)
     for it in (1, 2, 3, 4):
