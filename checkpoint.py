@@ -168,8 +168,11 @@ def latest_path(out_dir):
     pointer = os.path.join(out_dir, "latest")
     if not os.path.exists(pointer):
         raise CheckpointError(f"no checkpoint in {out_dir} (no '{pointer}')")
-    with open(pointer) as f:
-        name = f.read().strip()
+    try:
+        with open(pointer) as f:
+            name = f.read().strip()
+    except UnicodeDecodeError:
+        raise CheckpointError(f"{pointer} is corrupt (not a checkpoint's name)")
     if not name:
         raise CheckpointError(f"{pointer} is empty")
     path = os.path.join(out_dir, name)
@@ -187,7 +190,7 @@ def read_manifest(path, verify=True):
             manifest = json.load(f)
     except FileNotFoundError:
         raise CheckpointError(f"checkpoint {path} is incomplete (no manifest.json)")
-    except (json.JSONDecodeError, UnicodeDecodeError):
+    except (json.JSONDecodeError, UnicodeDecodeError, IsADirectoryError):
         raise CheckpointError(f"checkpoint {path} has a corrupt manifest.json")
     if not isinstance(manifest, dict):
         raise CheckpointError(f"checkpoint {path} has a corrupt manifest.json (not a JSON object)")
@@ -225,7 +228,8 @@ def load_manifest(out_dir):
         try:
             path = latest_path(out_dir)
             result[0] = (path, read_manifest(path))
-        except CheckpointError as e:
+        except (CheckpointError, OSError) as e:  # (OSError: unreadable; a traceback here would leave the others waiting)
+            e = e if isinstance(e, CheckpointError) else CheckpointError(f"cannot read the checkpoint in {out_dir}: {e}")
             intact = _intact_other(out_dir, path)  # named, not taken: a silent fallback would hide the damage
             result[0] = CheckpointError(f"{e}; {intact} is intact: write '{os.path.basename(intact)}' into "
                                         f"{os.path.join(out_dir, 'latest')} to use it") if intact else e
@@ -246,7 +250,7 @@ def _intact_other(out_dir, damaged):
     path = os.path.join(out_dir, others[-1])
     try:
         read_manifest(path)
-    except CheckpointError:
+    except (CheckpointError, OSError):
         return None
     return path
 

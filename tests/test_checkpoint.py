@@ -120,6 +120,26 @@ def test_an_unreadable_manifest_is_refused(saved, text):
         checkpoint.read_manifest(str(ckpt))
 
 
+def test_a_manifest_that_is_a_directory_a_latest_that_is_not_text_and_an_unreadable_file_are_named(saved, monkeypatch):
+    """Each was a traceback (on rank 0, with the other ranks waiting for its answer)."""
+    out, ckpt, _, _ = saved
+    (out / "latest").write_bytes(b"\xff\xfe")
+    with pytest.raises(checkpoint.CheckpointError, match="latest is corrupt"):
+        checkpoint.load_manifest(str(out))
+    (out / "latest").write_text(ckpt.name)
+
+    def unreadable(path):
+        raise PermissionError(13, "Permission denied", path)
+    monkeypatch.setattr(checkpoint, "_file_digests", unreadable)
+    with pytest.raises(checkpoint.CheckpointError, match=f"cannot read the checkpoint in {out}: .*Permission denied"):
+        checkpoint.load_manifest(str(out))
+    monkeypatch.undo()
+    (ckpt / "manifest.json").unlink()
+    (ckpt / "manifest.json").mkdir()
+    with pytest.raises(checkpoint.CheckpointError, match="has a corrupt manifest.json"):
+        checkpoint.load_manifest(str(out))
+
+
 def test_a_save_cut_before_its_directory_takes_the_name_leaves_a_whole_checkpoint_named(saved, monkeypatch):
     """A crash (a failing rename here) before a new iteration's directory takes its name: `latest`
     still names the one before. Before a re-saved iteration's does: its old copy, set aside as
