@@ -6,8 +6,8 @@ Sample from a trained model: any checkpoint, whatever backend and world size wro
 
 Reads the newer (saved later) of out_dir/ckpt.pt (see `python checkpoint.py OUT_DIR`) and the
 latest checkpoint directory, straight into one unsharded model on one process, and names it on
-stderr (stdout holds only the samples). An unreadable ckpt.pt is named there and passed over when
-a checkpoint directory exists.
+stderr (stdout holds only the samples). Where one of the two is unreadable it is named there and
+the other one read.
 """
 import os
 import pickle
@@ -46,8 +46,12 @@ def load_newest(out_dir):
             print(f"{unreadable}; reading the latest checkpoint directory instead", file=sys.stderr)
     latest = None
     if exported is None or has_latest:
-        # (with no ckpt.pt either, this raises the error that names the missing 'latest')
-        latest = checkpoint.read_manifest(checkpoint.latest_path(out_dir), verify=False)
+        try:
+            latest = checkpoint.read_manifest(checkpoint.latest_path(out_dir), verify=False)
+        except checkpoint.CheckpointError as e:
+            if exported is None:
+                raise  # (with no ckpt.pt either, this names the missing 'latest')
+            print(f"{e}; reading {ckpt_pt} instead, which may be older", file=sys.stderr)
     if exported is not None and (latest is None or saved_no_earlier(exported, latest)):
         model = GPT(GPTConfig(**exported["model_args"]))
         model.load_state_dict(exported["model"])

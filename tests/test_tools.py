@@ -159,6 +159,20 @@ def test_checkpoint_export_without_one_out_dir_prints_usage(args):
     assert res.returncode != 0 and res.stderr.startswith("usage: python checkpoint.py OUT_DIR"), res.describe()
 
 
+def test_sample_reads_the_export_when_the_latest_manifest_is_damaged(trained, tmp_path):
+    """The other way round from an unreadable ckpt.pt: a damaged latest checkpoint is named, and the
+    export read (it stopped at the damage before)."""
+    out, fresh_pt = trained
+    damaged = clone_checkpoint(out, 6, tmp_path / "damaged")
+    shutil.copy(fresh_pt, damaged / "ckpt.pt")
+    (damaged / "ckpt-0000006" / "manifest.json").write_text("{not json")
+    res = sample(damaged)
+    assert res.returncode == 0, res.describe()
+    assert f"checkpoint {damaged / 'ckpt-0000006'} has a corrupt manifest.json; reading {damaged / 'ckpt.pt'} " \
+           "instead, which may be older" in res.stderr, res.stderr
+    assert f"loaded {damaged / 'ckpt.pt'} (iteration 6)" in res.stderr.splitlines()
+
+
 def test_sample_refuses_an_unreadable_ckpt_pt(tmp_path):
     (tmp_path / "ckpt.pt").write_bytes(b"not a checkpoint")
     assert f"cannot read {tmp_path / 'ckpt.pt'}" in one_error_line(sample(tmp_path))
