@@ -1,7 +1,7 @@
 """
 Side-by-side cost of the backends on the same model and data, from one command.
 
-    python bench.py --backends=ddp,fsdp,custom_fsdp --nproc=2 [--repeats=3] [--steps=12] [train.py --key=value ...]
+    python bench.py --backends=ddp,fsdp,custom_fsdp --nproc=2 [--repeats=3] [--steps=12] [config/FILE.py] [train.py --key=value ...]
     python bench.py --backends=custom_fsdp,custom_fsdp:prefetch=False ...   one backend, two settings
     python bench.py --sweep [--backends=...]     per-rank memory and step time at world sizes 1, 2, 4
     python bench.py --comm --nproc=2 [--comm_mb=1,4,16,64,256]   collective time and bus bandwidth by size
@@ -20,7 +20,8 @@ process CPU time per step, every thread's (train.py's cpu_ms): on a CPU machine 
 all busy, the step time follows it. The table is also written as JSON (--json; by default
 bench_out/bench.json, or sweep.json / comm.json for --sweep / --comm). A backend may carry its
 own train.py settings after colons (`fsdp:reshard_after_forward=False`); they apply to that row
-only, on top of the command's. Relative paths (--work_dir, --json, train.py's --data_dir) start
+only, on top of the command's. A config file replaces bench's default model (4 x 256, batch 8 x 128)
+with its own, on train.py's defaults (still one micro-batch per rank). Relative paths (--work_dir, --json, train.py's --data_dir) start
 from the folder bench.py runs in.
 """
 import argparse
@@ -38,11 +39,12 @@ from compare import WARMUP_STEPS
 from fsdp_impl import overlap
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-# CPU target of issue 4: a 4-layer 256-wide GPT, batch 8 x 128, one micro-batch per rank; no
-# evaluation and no checkpoints (one per run would be 0.5 GB at 47M parameters, 16 GB at 1.3B)
-DEFAULTS = ["--n_layer=4", "--n_head=4", "--n_embd=256", "--batch_size=8", "--block_size=128",
-            "--eval_iters=0", "--log_interval=1000000", "--keep_checkpoints=0",
-            "--dropout=0.0", "--compile=False"]
+# the default model, unless a config file names one: a 4-layer 256-wide GPT, batch 8 x 128, one
+# micro-batch per rank (the issue's CPU target). Always: no evaluation and no checkpoints (one per
+# run would be 0.5 GB at 47M parameters, 16 GB at 1.3B)
+MODEL = ["--n_layer=4", "--n_head=4", "--n_embd=256", "--batch_size=8", "--block_size=128", "--dropout=0.0",
+         "--compile=False"]
+TIMED_ONLY = ["--eval_iters=0", "--log_interval=1000000", "--keep_checkpoints=0"]
 HOST_PHASES = ("forward_backward", "clip", "optimizer")  # the phases train.py times (host_ms)
 
 
@@ -57,15 +59,21 @@ def split_row(row):
     return backend, [f"--{s}" for s in settings]
 
 
-def run_train(row, nproc, out_dir, steps, extra, profile=False):
-    """One train.py run of a --backends entry; returns its metrics.jsonl rows."""
+def train_args(row, nproc, out_dir, steps, extra, profile=False):
+    """train.py's arguments for a --backends entry."""
     backend, settings = split_row(row)
     extra = extra + settings  # (the row's own settings come last, so they win)
-    shutil.rmtree(out_dir, ignore_errors=True)
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
-    args = DEFAULTS + [f"--gradient_accumulation_steps={nproc}"] + extra + [
+    config_files = [a for a in extra if not a.startswith("--")]  # (--key=value beats a file: the defaults would)
+    return ([] if config_files else MODEL) + TIMED_ONLY + [f"--gradient_accumulation_steps={nproc}"] + extra + [
         f"--dist_backend={backend}", f"--out_dir={out_dir}", f"--max_iters={steps}",
         f"--eval_interval={10 ** 9}", f"--profile={profile}"]
+
+
+def run_train(row, nproc, out_dir, steps, extra, profile=False):
+    """One train.py run of a --backends entry; returns its metrics.jsonl rows."""
+    args = train_args(row, nproc, out_dir, steps, extra, profile)
+    shutil.rmtree(out_dir, ignore_errors=True)
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "WANDB_MODE": "disabled"}
     proc = subprocess.run(launcher + [os.path.join(HERE, "train.py")] + args, env=env, capture_output=True, text=True)
     if proc.returncode:

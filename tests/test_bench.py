@@ -660,3 +660,25 @@ def test_malloc_trim_returns_heap_holes_to_the_os():
     assert int(holes) >= 100 and int(after) >= 100 and released == "False", out
     holes, after, released = out["trim"]
     assert int(holes) >= 100 and int(after) <= 20 and released == "True", out
+
+
+def test_a_config_file_sets_the_benchmarked_model(tmp_path):
+    """bench.py's default model yields to a config file's (its --key=value flags beat any file, so
+    the file's model was benchmarked as 4 x 256); no evaluation or checkpoints either way, and a
+    row's own settings still win."""
+    import configurator
+    config = tmp_path / "wide.py"
+    config.write_text("n_layer = 6\nn_embd = 384\nbatch_size = 2\neval_iters = 50\n")
+
+    def settings(extra, row="ddp"):
+        train_globals = dict(n_layer=12, n_head=12, n_embd=768, batch_size=12, block_size=1024, dropout=0.1,
+                             compile=True, eval_iters=200, log_interval=10, keep_checkpoints=2,
+                             gradient_accumulation_steps=40, dist_backend="ddp", out_dir="out", max_iters=600000,
+                             eval_interval=2000, profile=False, prefetch=True)
+        configurator.apply(train_globals, bench.train_args(row, 2, "o", 5, extra))
+        return train_globals
+    default, from_file = settings([]), settings([str(config)], row="custom_fsdp:n_layer=3")
+    assert (default["n_layer"], default["n_embd"], default["batch_size"], default["compile"]) == (4, 256, 8, False)
+    assert (from_file["n_layer"], from_file["n_embd"], from_file["batch_size"], from_file["n_head"]) == (3, 384, 2, 12)
+    for run in (default, from_file):
+        assert (run["eval_iters"], run["keep_checkpoints"], run["gradient_accumulation_steps"]) == (0, 0, 2)
