@@ -63,41 +63,25 @@ def _glibc(function):
 
 
 def set_malloc_mmap_threshold(mb):
-    """CPU memory: buffers of `mb` MB and more get their own mapping, and the heap keeps what a
-    step frees at its top (up to 2 GB) instead of handing it back to the OS. train.py's default is
-    32: where glibc's own dynamic threshold stops rising, and the most older glibc (HEAP_MAX_SIZE / 2
-    on 64-bit) accepts.
-
-    glibc's own behaviour (0 here) raises its mmap threshold to the largest mapped buffer it has
-    freed and trims the heap's top once twice that is free. Where that buffer was a few MB, the
-    activations a step frees at the top of the heap go back to the OS, and the next step faults
-    them in again inside its matrix products: thousands of page faults per step (MEASUREMENTS.md,
-    "Page faults"). Keeping the freed top costs no peak: the next step takes the same memory again.
-    (A trim threshold of 8x `mb`, 256 MB, was too small at 201M parameters: 62,000 faults per
-    step, 4% of the process's CPU.) A low `mb` trades the other way: at 47M parameters 4 lowered
-    FSDP2's peak per process from 1,331 to 912 MB (with malloc_trim; gloo's all-gather allocates a
-    fresh output-sized buffer per call) and took its step from 1.25x (glibc's own thresholds, then
-    the default) to 1.95x DDP's, faulting in every fresh buffer. FSDP2 alone steps 4-7% faster with
-    0 than with 32. Linux/glibc only; elsewhere (and with 0) a no-op.
-    """
+    """CPU memory: buffers of `mb` MB and more get their own mapping, and the heap keeps what a step
+    frees at its top (up to 2 GB) instead of handing it back to the OS, so the next step does not
+    fault the same pages in again inside its matrix products (MEASUREMENTS.md, "Page faults"; at
+    256 MB kept, 201M parameters still took 62,000 faults per step). train.py's default is 32, where
+    glibc's own dynamic threshold stops rising and the most older glibc accepts; 0 leaves glibc's
+    own behaviour (FSDP2 alone steps 4-7% faster with it; README's CPU knobs). Linux/glibc only."""
     mallopt = _glibc("mallopt")
     if mb <= 0 or mallopt is None:
-        return False
+        return
     M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # from glibc's malloc.h
     mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
-    keep_top = 2**31 - 1  # the largest an int (mallopt's argument) holds
-    return bool(mallopt(M_MMAP_THRESHOLD, int(mb * 2**20)) and mallopt(M_TRIM_THRESHOLD, keep_top))
+    mallopt(M_MMAP_THRESHOLD, int(mb * 2**20))
+    mallopt(M_TRIM_THRESHOLD, 2**31 - 1)  # (the largest an int, mallopt's argument, holds)
 
 
 def trim_malloc_heap():
-    """CPU memory: hand the free pages inside glibc's heap back to the OS (malloc_trim).
-
-    glibc only returns the top of its heap; the holes that freed buffers leave in the middle stay
-    resident. With train.py's malloc_trim=True it runs after every step on CPU; the next step
-    faults those pages in again: a 5M model's step took 14% (custom_fsdp) to 27% (DDP) longer for
-    4-9 MB less peak RSS; at 47M parameters the peak fell 1% for custom_fsdp, 10% for FSDP2. So
-    it is off by default. Linux/glibc only; elsewhere a no-op. Returns whether anything was released.
-    """
+    """CPU memory: hand the free pages inside glibc's heap, not only its top, back to the OS
+    (malloc_trim). The next step faults them in again: off by default, as it cost a 5M model's
+    step 14-27% for 4-9 MB less peak RSS (MEASUREMENTS.md). Returns whether anything was released."""
     malloc_trim = _glibc("malloc_trim")
     return bool(malloc_trim(0)) if malloc_trim is not None else False
 
@@ -196,7 +180,7 @@ class Backend:
 
     @staticmethod
     def unwrap(model):
-        """The GPT itself (for generate, the optimizer and state dicts)."""
+        """The GPT itself (its optimizer groups, estimate_mfu); checkpoints take the wrapped model."""
         return getattr(model, "module", model)
 
 

@@ -37,6 +37,7 @@ import time
 from backends import BACKENDS
 from compare import WARMUP_STEPS
 from fsdp_impl import overlap
+from observe import PROFILE_STEPS
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 # the default model, unless a config file names one: a 4-layer 256-wide GPT, batch 8 x 128, one
@@ -196,7 +197,7 @@ def bench_backends(args, extra):
                                    "exposed_by_place": None} for b, runs in results.items()}
     for b in args.backends if args.exposed else ():  # one profiled run each: exposed communication
         out = run_dir(args, b, "profile")
-        run_train(b, args.nproc, out, max(args.steps, 7), extra, profile=True)
+        run_train(b, args.nproc, out, max(args.steps, PROFILE_STEPS[1] + 2), extra, profile=True)  # (the window, and 2 after)
         trace = overlap.load(os.path.join(out, "traces", split_row(b)[0], "rank0.json"))
         s = overlap.summarize(overlap.analyse(trace))
         table[b] |= {"exposed_comm_ms": s.get("exposed_ms"), "comm_ms": s.get("comm_ms"),

@@ -189,7 +189,7 @@ class GPT(nn.Module):
 GPT2_MODELS = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
 
 
-def load_pretrained_gpt2(model_type, dropout=0.0):
+def load_pretrained_gpt2(model_type):
     """OpenAI's GPT-2 weights through Hugging Face transformers (offline: from its cache, with
     HF_HUB_OFFLINE=1) -> (GPTConfig, full state dict). Any failure is a one-line ValueError."""
     if model_type not in GPT2_MODELS:
@@ -204,14 +204,14 @@ def load_pretrained_gpt2(model_type, dropout=0.0):
         offline = "; offline, transformers reads its cache (HF_HUB_OFFLINE=1, HF_HUB_CACHE names the folder)"
         raise ValueError(f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"
                          f"{offline if isinstance(e, OSError) else ''}") from e
-    return from_hf_gpt2(hf, dropout)
+    return from_hf_gpt2(hf)
 
 
-def from_hf_gpt2(hf, dropout=0.0):
+def from_hf_gpt2(hf):
     """A transformers GPT2LMHeadModel -> (GPTConfig, state dict in this model's layout)."""
     c = hf.config
     config = GPTConfig(n_layer=c.n_layer, n_head=c.n_head, n_embd=c.n_embd, vocab_size=c.vocab_size,
-                       block_size=c.n_positions, bias=True, dropout=dropout)
+                       block_size=c.n_positions, bias=True)
     # OpenAI's checkpoints store these as Conv1D (in, out): transpose to Linear (out, in)
     transposed = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
     state = {k: (v.t() if k.endswith(transposed) else v) for k, v in hf.state_dict().items()

@@ -150,15 +150,15 @@ class Observer:
         finally:
             self.host_ms[phase] = self.host_ms.get(phase, 0.0) + (time.thread_time() - start) * 1e3
 
-    def memory(self, stage, model=None, optimizer=None):
-        """Memory at a stage: allocator figures on CUDA, RSS everywhere; max over ranks."""
+    def memory(self, stage, model, optimizer):
+        """Memory at a stage: allocator figures on CUDA, the peak RSS so far everywhere, the model's
+        state; max over ranks."""
         row = {"event": "memory", "stage": stage, "rss_mb": rss_mb()}
         if self.cuda:
             row |= {"allocated_mb": torch.cuda.memory_allocated() / 2**20,
                     "max_allocated_mb": torch.cuda.max_memory_allocated() / 2**20,
                     "reserved_mb": torch.cuda.memory_reserved() / 2**20}
-        if model is not None:
-            row |= model_state_mb(model, optimizer)
+        row |= model_state_mb(model, optimizer)
         if dist.is_initialized():
             keys = [k for k in row if k.endswith("_mb")]
             values = torch.tensor([row[k] for k in keys], dtype=torch.float64,

@@ -233,7 +233,7 @@ def torchrun_job():
 job = torchrun_job()
 if init_from != "resume" and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0 \
         and checkpoint.holds_checkpoints(out_dir) \
-        and (job in (None, "none") or checkpoint.saved_by(out_dir, job)):  # (no `latest`: the resume says what to mend)
+        and (job == "none" or checkpoint.saved_by(out_dir, job)):  # (no `latest`: the resume says what to mend)
     init_from = "resume"
     if master:
         print(f"restart {os.environ['TORCHELASTIC_RESTART_COUNT']}: resuming from the last checkpoint")
@@ -269,7 +269,7 @@ elif init_from == "resume":
                  "nothing to train (raise --max_iters to continue)")
 else:  # OpenAI's GPT-2 weights
     try:
-        gptconf, pretrained = load_pretrained_gpt2(init_from, dropout)
+        gptconf, pretrained = load_pretrained_gpt2(init_from)
     except ValueError as e:
         fail(f"init_from={init_from}: {e}")
     pretrained_from = init_from
@@ -369,7 +369,7 @@ if wandb_log and master:
     import wandb
     try:
         wandb_run = wandb.init(project=wandb_project, name=f"{wandb_run_name}-{dist_backend}-w{world_size}",
-                               group=wandb_run_name, config=config, resume="allow")
+                               group=wandb_run_name, config=config)
     except wandb.errors.Error as e:  # no API key, no network: say so, and how to log without them
         fail(f"wandb_log=True: {str(e).splitlines()[0]} (WANDB_MODE=offline logs to ./wandb to sync later)")
 
