@@ -155,7 +155,7 @@ if n_embd % n_head:
 if not 0 <= malloc_mmap_threshold_mb <= 32:
     fail(f"malloc_mmap_threshold_mb={malloc_mmap_threshold_mb} is outside 0..32 (0 keeps glibc's own; "
          f"older glibc refuses more than 32)")
-if not 0 <= seed < 2**44:  # (the initialization and dropout draw from seeds of 64 bits made from it)
+if not 0 <= seed < 2**44:  # (the initialization draws from seeds of 64 bits made from it: model.py)
     fail(f"seed={seed} is outside 0..2**44-1 (the data, the initialization and dropout derive their seeds from it)")
 if decay_lr and not (warmup_iters < lr_decay_iters and min_lr <= learning_rate):
     fail(f"the learning-rate schedule needs warmup_iters < lr_decay_iters and min_lr <= learning_rate "
@@ -354,10 +354,11 @@ def get_lr(it):
     return min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (learning_rate - min_lr)
 
 
-def seed_dropout(s):
-    """Seed the generator dropout draws from: the CPU's, and the GPU's on CUDA. (torch.manual_seed
-    would also queue a seed, with a formatted stack, for every device type not yet in use: 60 us
-    per call, at each micro-step.)"""
+def seed_dropout(*key):
+    """Seed the generator dropout draws from by (seed, *key), as get_batch draws its batch: the
+    CPU's, and the GPU's on CUDA. (torch.manual_seed would also queue a seed, with a formatted stack,
+    for every device type not yet in use: 60 us per call, at each micro-step.)"""
+    s = int(np.random.SeedSequence((seed, *key)).generate_state(1, np.uint64)[0])
     torch.default_generator.manual_seed(s)
     if device_type == "cuda":
         torch.cuda.manual_seed(s)  # (this process's GPU, in use by now: seeded at once)
@@ -485,7 +486,8 @@ while True:
             back.set_grad_sync(model, micro_step == local_steps - 1)
             k = rank * local_steps + micro_step  # global micro-batch index
             X, Y = get_batch("train", iter_num, k)
-            seed_dropout(seed * 1_000_003 + iter_num * 1009 + k)  # dropout masks, fixed like the data
+            if dropout:  # (42 us a call: not paid where nothing draws)
+                seed_dropout(iter_num, k)  # dropout masks, fixed like the data
             with back.autocast():
                 # [1]: keep the loss, drop the logits (at GPT-2 size 1.2 GB that would otherwise
                 # stay alive through the next micro-step's forward)
