@@ -78,7 +78,8 @@ def run_file(path):
 
 
 def apply(config, argv):
-    """Update the dict `config` (a script's globals) from config files and --key=value args."""
+    """Update the dict `config` (a script's globals) from config files and --key=value args; returns
+    the settings (its public ints, floats, bools and strings) as they now are."""
     defaults = {k: v for k, v in config.items() if not k.startswith("_") and isinstance(v, (int, float, bool, str))}
     if "-h" in argv or "--help" in argv:
         print(f"usage: {os.path.basename(sys.argv[0])} [config files] [--key=value ...]; "
@@ -106,3 +107,4 @@ def apply(config, argv):
         if isinstance(defaults[key], str) and not isinstance(value, str):
             value = text  # --out_dir=123, --wandb_run_name=2024: the text is the string
         config[key] = typed(value, defaults[key], f"--{key}")
+    return {key: config[key] for key in defaults}

@@ -91,8 +91,7 @@ malloc_mmap_threshold_mb = 32  # CPU: buffers below this from glibc's heap, kept
 profile = False  # Chrome traces of a few steps under out_dir/traces/<dist_backend>/
 memory_snapshot = False  # CUDA memory history of a few steps (CPU: their allocations, in a trace)
 # -----------------------------------------------------------------------------
-configurator.apply(globals(), sys.argv[1:])
-config = {k: v for k, v in globals().items() if not k.startswith("_") and isinstance(v, (int, float, bool, str))}
+config = configurator.apply(globals(), sys.argv[1:])  # (the settings, as checkpoints and wandb record them)
 
 master = int(os.environ.get("RANK", 0)) == 0  # torchrun's rank, before the process group exists
 wandb_run = None

@@ -20,8 +20,8 @@ GPT2 = REPO / "config" / "train_gpt2.py"
 def defaults():
     """train.py's globals just before it applies the configuration: the defaults every key is
     checked against (running train.py's own lines, so the test cannot drift from them)."""
-    head, marker, _ = (REPO / "train.py").read_text().partition("configurator.apply(globals()")
-    assert marker, "train.py no longer calls configurator.apply(globals(), ...)"
+    head, marker, _ = (REPO / "train.py").read_text().partition("config = configurator.apply(globals()")
+    assert marker, "train.py no longer calls config = configurator.apply(globals(), ...)"
     scope = {"__name__": "train_defaults"}
     exec(compile(head, "train.py", "exec"), scope)
     return scope
