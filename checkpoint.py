@@ -9,7 +9,8 @@ Checkpoints: one format for every backend and every world size.
     out_dir/latest          the name of the newest complete checkpoint, replaced atomically.
 
 A crash mid-save leaves a `*.tmp` directory (removed by the next save) and `latest` still naming
-the previous checkpoint.
+the previous checkpoint; in a re-save of the same iteration, the copy it replaces, set aside as
+`*.old`, is what `latest` then leads to. Pruning keeps the `keep` saved last, by their save time.
 `python checkpoint.py OUT_DIR` exports the latest one as a single OUT_DIR/ckpt.pt.
 """
 import json
