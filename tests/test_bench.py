@@ -223,6 +223,127 @@ def test_paired_ratios_divide_each_repeat_by_the_first_rows_run_beside_it(capsys
     assert "(median 1.20x, range 1.20x-1.30x)" in theirs
 
 
+def test_median_of_takes_each_host_phase_median_over_repeats():
+    """The per-phase CPU times are medians over repeats too, not the first repeat's."""
+    def run(step_ms, fb, clip):
+        return {"step_ms": step_ms, "tokens_per_sec": 1e3 / step_ms, "mfu": None, "reserved_mb": None,
+                "host_ms": {"forward_backward": fb, "clip": clip, "optimizer": 1.0}, "cpu_ms": step_ms}
+    m = bench.median_of([run(50.0, 40.0, 9.0), run(20.0, 10.0, 1.0), run(30.0, 20.0, 2.0)])
+    assert m["host_ms"] == {"forward_backward": 20.0, "clip": 2.0, "optimizer": 1.0}
+    assert m["step_ms"] == 30.0 and m["cpu_ms"] == 30.0 and m["reserved_mb"] is None
+
+
+def synthetic_run(dt_ms, state_mb, rss_mb):
+    """metrics.jsonl rows of a run: 2 warm-up steps and 3 of `dt_ms`, with memory and comm events."""
+    rows = [{"iter": i, "loss": 2.0, "dt_ms": dt, "tokens_per_sec": 1e3 / dt, "mfu": None, "host_ms": {},
+             "page_faults": 0, "cpu_ms": dt} for i, dt in enumerate([500.0, 400.0] + [dt_ms] * 3)]
+    return rows + [{"event": "memory", "stage": "after last step", "rss_mb": rss_mb, "params_mb": state_mb / 4,
+                    "grads_mb": state_mb / 4, "optim_mb": state_mb / 2},
+                   {"event": "comm_per_step", "all_gather_bytes": 0, "reduce_scatter_bytes": 0, "all_reduce_bytes": 0}]
+
+
+def test_sweep_prints_each_world_size_against_world_size_1(tmp_path, capsys):
+    """Per-rank state and step time at W are divided by the same backend's W=1 run; the peak is the run's own."""
+    figures = {1: (100.0, 40.0, 700.0), 2: (60.0, 20.0, 500.0), 4: (50.0, 10.0, 300.0)}  # step ms, state MB, RSS MB
+    args = mock.Mock(backends=["custom_fsdp"], steps=5, work_dir=str(tmp_path))
+    with mock.patch.object(bench, "run_train", lambda row, w, *a, **k: synthetic_run(*figures[w])):
+        out = bench.sweep(args, [])
+    # the same global batch at every world size (4 micro-batches), unless the command sets its own
+    def accumulation(extra):
+        calls = []
+        with mock.patch.object(bench, "run_train", lambda row, w, out, steps, extra: calls.append(
+                bench.train_args(row, w, out, steps, extra)) or synthetic_run(*figures[w])):
+            bench.sweep(args, extra)
+        return [[a for a in c if a.startswith("--gradient_accumulation_steps=")][-1] for c in calls]
+    assert accumulation(["--n_layer=2"]) == ["--gradient_accumulation_steps=4"] * 3
+    assert accumulation(["--gradient_accumulation_steps=8"]) == ["--gradient_accumulation_steps=8"] * 3
+    assert sorted(out["sweep"]) == ["custom_fsdp-w1", "custom_fsdp-w2", "custom_fsdp-w4"]
+    assert out["sweep"]["custom_fsdp-w4"]["state_mb"] == 10.0 and out["sweep"]["custom_fsdp-w2"]["step_ms"] == 60.0
+    lines = [line for line in capsys.readouterr().out.splitlines() if "W=" in line]
+    assert lines[1].endswith("W=2: params+grads+optim 20.0 (0.50x) MB, peak 500 MB, step 60.0 (0.60x) ms"), lines
+    assert lines[2].endswith("W=4: params+grads+optim 10.0 (0.25x) MB, peak 300 MB, step 50.0 (0.50x) ms"), lines
+
+
+def test_bench_interleaves_the_rows_and_returns_the_table_it_prints(tmp_path, capsys):
+    """Repeats run A B A B (drift hits both rows alike); the result written as JSON holds the
+    settings, each row's medians over repeats and the paired ratios."""
+    step = {("ddp", 0): 100.0, ("custom_fsdp", 0): 90.0, ("ddp", 1): 200.0, ("custom_fsdp", 1): 220.0,
+            ("ddp", 2): 120.0, ("custom_fsdp", 2): 120.0}
+    order = []
+
+    def run_train(row, nproc, out, steps, extra):
+        rep = int(out.rsplit("-r", 1)[1])
+        order.append((row, rep, nproc, steps, tuple(extra)))
+        return synthetic_run(step[row, rep], 8.0, 50.0)
+    args = mock.Mock(backends=["ddp", "custom_fsdp"], repeats=3, nproc=2, steps=5, exposed=False, work_dir=str(tmp_path))
+    with mock.patch.object(bench, "run_train", run_train):
+        result = bench.bench_backends(args, ["--n_layer=2"])
+    assert [o[:2] for o in order] == [("ddp", 0), ("custom_fsdp", 0), ("ddp", 1), ("custom_fsdp", 1),
+                                      ("ddp", 2), ("custom_fsdp", 2)]
+    assert all(o[2:] == (2, 5, ("--n_layer=2",)) for o in order)
+    assert {k: result[k] for k in ("nproc", "repeats", "steps", "extra")} == {"nproc": 2, "repeats": 3, "steps": 5,
+                                                                              "extra": ["--n_layer=2"]}
+    assert list(result["backends"]) == ["ddp", "custom_fsdp"]
+    assert result["backends"]["ddp"]["step_ms"] == 120.0 and result["backends"]["custom_fsdp"]["step_ms"] == 120.0
+    assert result["backends"]["custom_fsdp"]["exposed_comm_ms"] is None  # (--exposed=False: no profiled run)
+    assert result["step_ratio_per_repeat"] == {"custom_fsdp": [pytest.approx(0.9), pytest.approx(1.1), 1.0]}
+    assert "(median 1.00x, range 0.90x-1.10x)" in capsys.readouterr().out
+    json.dumps(result)  # (written as JSON as it is)
+
+
+@pytest.mark.parametrize("mode,written", [([], "bench.json"), (["--sweep"], "sweep.json"), (["--comm"], "comm.json")])
+def test_each_mode_writes_its_own_default_json(mode, written, tmp_path, capsys):
+    result = {"mode": written}
+    with mock.patch.object(bench, "bench_backends", return_value=result), \
+            mock.patch.object(bench, "sweep", return_value=result), mock.patch.object(bench, "bench_comm", return_value=result), \
+            mock.patch.object(sys, "argv", ["bench.py", *mode, f"--work_dir={tmp_path}"]):
+        bench.main()
+    assert os.listdir(tmp_path) == [written] and json.loads((tmp_path / written).read_text()) == result
+
+
+def test_overlap_summary_is_the_mean_over_steps():
+    rows = [{"step_ms": 10.0, "comm_ms": 4.0, "compute_ms": 8.0, "hidden_ms": 3.0, "exposed_ms": 1.0},
+            {"step_ms": 20.0, "comm_ms": 6.0, "compute_ms": 16.0, "hidden_ms": 3.0, "exposed_ms": 3.0}]
+    s = overlap.summarize(rows)
+    assert s == {"step_ms": 15.0, "comm_ms": 5.0, "compute_ms": 12.0, "hidden_ms": 3.0, "exposed_ms": 2.0,
+                 "hidden_fraction": pytest.approx(0.6)}
+    assert overlap.summarize([]) == {}
+
+
+def test_overlap_fsdp2_reduce_range_inside_an_enclosing_op_is_not_compute():
+    # FSDP2's post-backward reduce blocks 40-60 inside an autograd node 0-100 while gloo works 40-60
+    trace = {"traceEvents": [
+        op("ProfilerStep#1", 0, 100, cat="user_annotation"),
+        op("autograd::engine::evaluate_function: torch::autograd::AccumulateGrad", 0, 100),
+        op("FSDP::post_backward_reduce", 40, 20, cat="user_annotation"), op("gloo:reduce_scatter", 40, 20, tid=2),
+    ]}
+    (row,) = overlap.analyse(trace)
+    assert row["compute_ms"] == pytest.approx(0.080) and row["exposed_ms"] == pytest.approx(0.020)
+
+
+def test_communication_across_a_step_boundary_counts_in_each_step_only_its_part():
+    # steps 0-100 and 100-200; the training thread computes 0-50 and 150-200; gloo works 80-120
+    trace = {"traceEvents": [
+        op("ProfilerStep#1", 0, 100, cat="user_annotation"), op("ProfilerStep#2", 100, 100, cat="user_annotation"),
+        op("aten::mm", 0, 50), op("aten::mm", 150, 50), op("gloo:all_gather", 80, 40, tid=2),
+    ]}
+    first, second = overlap.analyse(trace)
+    assert first["comm_ms"] == pytest.approx(0.020) and second["comm_ms"] == pytest.approx(0.020)
+    assert first["compute_ms"] == pytest.approx(0.050) and second["compute_ms"] == pytest.approx(0.050)
+    assert first["exposed_ms"] == pytest.approx(0.020) and second["exposed_ms"] == pytest.approx(0.020)
+    assert overlap.exposed_by_place(trace) == {overlap.OUTSIDE: pytest.approx(0.020)}  # per step
+
+
+def test_table_prints_a_hidden_fraction_of_zero_as_0_percent(capsys):
+    row = {"step_ms": 30.0, "tokens_per_sec": 1.0, "peak_mem_mb": 1.0, "state_mb": 1.0, "reserved_mb": None,
+           "all_gather_mb": 1.0, "reduce_scatter_mb": 1.0, "all_reduce_mb": 0.0, "exposed_comm_ms": 12.0,
+           "hidden_fraction": 0.0, "mfu": None, "host_ms": {p: 1.0 for p in bench.HOST_PHASES}, "page_faults": 0,
+           "cpu_ms": 1.0, "exposed_by_place": None}
+    bench.print_table({"custom_fsdp": row, "fsdp": row | {"hidden_fraction": None}})
+    _, ours, theirs, *_ = capsys.readouterr().out.splitlines()
+    assert ours.split(" | ")[-2].strip() == "0%" and theirs.split(" | ")[-2].strip() == "-"
+
+
 def shard_numel(shapes, world):
     """Per-rank elements of one unit: every parameter padded to ceil(dim0 / W) rows."""
     return sum(math.ceil(s[0] / world) * math.prod(s[1:]) for s in shapes)

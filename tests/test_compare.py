@@ -127,3 +127,24 @@ def test_a_resumed_run_counts_the_rows_of_its_last_attempt(tmp_path):
     assert [(r["iter"], r["val_loss"]) for r in evals] == [(0, 4.1), (10, 3.65)]
     s = compare.summarize([("resumed", train, evals)])[0]
     assert s["median_tokens_per_sec"] == 100_000.0 and s["peak_mem_mb"] == 60.0 and s["final_train_loss"] == 2.9
+
+
+def test_overall_max_diff_reports_a_pair_that_diverged_to_nan():
+    """A NaN in any pair wins over a finite gap found before it: the runs diverged."""
+    def rows(*losses):
+        return [{"iter": i, "loss": loss} for i, loss in enumerate(losses)]
+    runs = [("a", rows(4.0, 3.0), []), ("b", rows(4.0, 3.125), []), ("c", rows(4.0, math.nan), [])]
+    diff, a, b = compare.overall_max_diff(runs)
+    assert math.isnan(diff) and b == "c"
+
+
+def test_runs_are_named_by_folder_unless_two_share_a_name():
+    assert compare.run_names(["x/run", "y/run/", "z/other"]) == ["x/run", "y/run/", "other"]
+    assert compare.run_names(["x/a", "x/b"]) == ["a", "b"]
+
+
+def test_final_losses_are_the_last_logged_not_the_best():
+    train = [{"iter": i, "loss": loss} for i, loss in enumerate([4.0, 2.0, 3.0])]
+    evals = [{"iter": i, "val_loss": loss} for i, loss in ((0, 4.1), (1, 2.5), (2, 3.5))]
+    (s,) = compare.summarize([("r", train, evals)])
+    assert s["final_train_loss"] == 3.0 and s["final_val_loss"] == 3.5

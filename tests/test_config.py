@@ -98,7 +98,26 @@ def test_an_override_before_a_config_file_still_wins(defaults, tmp_path):
 def test_a_string_setting_takes_text_that_looks_like_a_number(defaults):
     config = parse(defaults, "--out_dir=123", "--wandb_run_name=2024", "--dataset='quoted'")
     assert (config["out_dir"], config["wandb_run_name"], config["dataset"]) == ("123", "2024", "quoted")
+    assert parse(defaults, "--wandb_run_name=True", "--out_dir=None")["wandb_run_name"] == "True"
 
+
+
+@pytest.mark.parametrize("argv,words", [
+    (["--learning_rate=True"], ["--learning_rate", "float", "True"]),  # a bool is no number, not even 1.0
+    (["CFG:learning_rate = False\n"], ["learning_rate", "float", "False"]),
+    (["--out_dir"], ["expected --key=value", "'--out_dir'"]),  # not an empty out_dir
+    (["--compile"], ["expected --key=value", "'--compile'"]),
+])
+def test_a_bool_is_no_float_and_an_override_needs_its_value(defaults, capsys, tmp_path, argv, words):
+    argv = [write(tmp_path, a[4:]) if a.startswith("CFG:") else a for a in argv]
+    line = parse_error(defaults, capsys, *argv)
+    assert all(w in line for w in words), line
+
+
+def test_a_config_file_error_names_the_innermost_line_of_the_file(defaults, capsys, tmp_path):
+    cfg = write(tmp_path, "def steps():\n    return 1 // 0\n\nmax_iters = steps()\n")
+    line = parse_error(defaults, capsys, cfg)
+    assert "ZeroDivisionError at line 2" in line, line
 
 @pytest.mark.parametrize("text,words", [
     ("this is not python\n", ["NameError", "line 1"]),  # parses as `this is (not python)`
@@ -118,7 +137,7 @@ def test_a_missing_config_file_is_one_line_naming_it(defaults, capsys, tmp_path)
     assert str(tmp_path / "nope.py") in parse_error(defaults, capsys, tmp_path / "nope.py")
 
 
-@pytest.mark.parametrize("text", ["foo = 1\n", "foo = [1, 2]\n"])
+@pytest.mark.parametrize("text", ["foo = 1\n", "foo = [1, 2]\n", "foo = None\n"])
 def test_an_unknown_key_in_a_file_is_an_error(defaults, capsys, tmp_path, text):
     assert "unknown config key 'foo'" in parse_error(defaults, capsys, write(tmp_path, text))
 
@@ -188,3 +207,11 @@ def test_model_configs_stack_on_train_gpt2(defaults, path):
     for k in ("dataset", "batch_size", "block_size", "gradient_accumulation_steps"):
         assert stacked[k] == base[k]
     assert f"config/train_gpt2.py config/{path.name}" in path.read_text()
+
+
+@pytest.mark.parametrize("device", ["cuda:", "cuda:x", "cpu:0", "gpu"])
+def test_a_malformed_device_is_unknown_wherever_cuda_is(device, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        configurator.check_device(device)
+    assert exit_info.value.code == 2
+    assert f"unknown device '{device}' (choose cpu, cuda or cuda:N)" in capsys.readouterr().err

@@ -269,3 +269,24 @@ def test_spawn_gives_ranks_torchruns_environment_and_stops_them_when_one_fails(t
     assert [r[:3] for r in rows] == [["0", "0", "3"], ["1", "1", "3"], ["2", "2", "3"]], res.describe()
     assert len({r[3] for r in rows}) == 1
     assert res.returncode == (0 if failing_rank < 0 else 3), res.describe()  # (not the 120 s sleep's end)
+
+
+def sample_function(name):
+    """One function of sample.py, compiled alone (importing sample.py would run it)."""
+    import ast
+    tree = ast.parse((REPO / "sample.py").read_text())
+    (node,) = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == name]
+    scope = {}
+    exec(compile(ast.Module(body=[node], type_ignores=[]), "sample.py", "exec"), scope)
+    return scope[name]
+
+
+def test_sample_picks_the_export_on_a_tie_and_falls_back_to_iterations():
+    """A tie is the same checkpoint: the export (one file) is read. Without both save times, by iteration."""
+    saved_no_earlier = sample_function("saved_no_earlier")
+    assert saved_no_earlier({"saved_at": 5.0, "iter_num": 3}, {"saved_at": 5.0, "iter_num": 3})
+    # resumed from an older checkpoint: the later save wins though its iteration is lower
+    assert not saved_no_earlier({"saved_at": 5.0, "iter_num": 6}, {"saved_at": 9.0, "iter_num": 5})
+    assert saved_no_earlier({"saved_at": 9.0, "iter_num": 5}, {"saved_at": 5.0, "iter_num": 6})
+    assert saved_no_earlier({"saved_at": None, "iter_num": 6}, {"saved_at": 9.0, "iter_num": 6})
+    assert not saved_no_earlier({"iter_num": 5}, {"saved_at": 9.0, "iter_num": 6})
