@@ -101,7 +101,6 @@ def test_a_string_setting_takes_text_that_looks_like_a_number(defaults):
     assert parse(defaults, "--wandb_run_name=True", "--out_dir=None")["wandb_run_name"] == "True"
 
 
-
 @pytest.mark.parametrize("argv,words", [
     (["--learning_rate=True"], ["--learning_rate", "float", "True"]),  # a bool is no number, not even 1.0
     (["CFG:learning_rate = False\n"], ["learning_rate", "float", "False"]),
@@ -118,6 +117,7 @@ def test_a_config_file_error_names_the_innermost_line_of_the_file(defaults, caps
     cfg = write(tmp_path, "def steps():\n    return 1 // 0\n\nmax_iters = steps()\n")
     line = parse_error(defaults, capsys, cfg)
     assert "ZeroDivisionError at line 2" in line, line
+
 
 @pytest.mark.parametrize("text,words", [
     ("this is not python\n", ["NameError", "line 1"]),  # parses as `this is (not python)`
