@@ -1,7 +1,8 @@
 """
 Side-by-side cost of the backends on the same model and data, from one command.
 
-    python bench.py --backends=ddp,fsdp,custom_fsdp --nproc=2 [--repeats=3] [--steps=12] [config/FILE.py] [train.py --key=value ...]
+    python bench.py --backends=ddp,fsdp,custom_fsdp --nproc=2 [--repeats=3] [--steps=12]
+                    [config/FILE.py] [train.py --key=value ...]
     python bench.py --backends=custom_fsdp,custom_fsdp:prefetch=False ...   one backend, two settings
     python bench.py --sweep [--backends=...]     per-rank memory and step time at world sizes 1, 2, 4
     python bench.py --comm --nproc=2 [--comm_mb=1,4,16,64,256]   collective time and bus bandwidth by size
@@ -20,9 +21,9 @@ process CPU time per step, every thread's (train.py's cpu_ms): on a CPU machine 
 all busy, the step time follows it. The table is also written as JSON (--json; by default
 bench_out/bench.json, or sweep.json / comm.json for --sweep / --comm). A backend may carry its
 own train.py settings after colons (`fsdp:reshard_after_forward=False`); they apply to that row
-only, on top of the command's. A config file replaces bench's default model (4 x 256, batch 8 x 128)
-with its own, on train.py's defaults (still one micro-batch per rank). Relative paths (--work_dir, --json, train.py's --data_dir) start
-from the folder bench.py runs in.
+only, on top of the command's. A config file replaces bench's default model (4 x 256, batch
+8 x 128) with its own, on train.py's defaults (still one micro-batch per rank). Relative paths
+(--work_dir, --json, train.py's --data_dir) start from the folder bench.py runs in.
 """
 import argparse
 import json
@@ -197,7 +198,7 @@ def bench_backends(args, extra):
                                    "exposed_by_place": None} for b, runs in results.items()}
     for b in args.backends if args.exposed else ():  # one profiled run each: exposed communication
         out = run_dir(args, b, "profile")
-        run_train(b, args.nproc, out, max(args.steps, PROFILE_STEPS[1] + 2), extra, profile=True)  # (the window, and 2 after)
+        run_train(b, args.nproc, out, max(args.steps, PROFILE_STEPS[1] + 2), extra, profile=True)  # (window + 2)
         trace = overlap.load(os.path.join(out, "traces", split_row(b)[0], "rank0.json"))
         s = overlap.summarize(overlap.analyse(trace))
         table[b] |= {"exposed_comm_ms": s.get("exposed_ms"), "comm_ms": s.get("comm_ms"),

@@ -229,8 +229,9 @@ def load_manifest(out_dir):
         try:
             path = latest_path(out_dir)
             result[0] = (path, read_manifest(path))
-        except (CheckpointError, OSError) as e:  # (OSError: unreadable; a traceback here would leave the others waiting)
-            e = e if isinstance(e, CheckpointError) else CheckpointError(f"cannot read the checkpoint in {out_dir}: {e}")
+        except (CheckpointError, OSError) as e:  # (an unreadable file: a traceback would leave the others waiting)
+            if isinstance(e, OSError):
+                e = CheckpointError(f"cannot read the checkpoint in {out_dir}: {e}")
             intact = _intact_other(out_dir, path)  # named, not taken: a silent fallback would hide the damage
             result[0] = CheckpointError(f"{e}; {intact} is intact: write '{os.path.basename(intact)}' into "
                                         f"{os.path.join(out_dir, 'latest')} to use it") if intact else e

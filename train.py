@@ -354,10 +354,11 @@ def get_lr(it):
 
 
 def seed_dropout(*key):
-    """Seed the generator dropout draws from by (seed, *key), as get_batch draws its batch: the
-    CPU's, and the GPU's on CUDA. (torch.manual_seed would also queue a seed, with a formatted stack,
-    for every device type not yet in use: 60 us per call, at each micro-step.)"""
-    s = int(np.random.SeedSequence((seed, *key)).generate_state(1, np.uint64)[0])
+    """Seed the generator dropout draws from by (seed, *key), as get_batch draws its batch, in a
+    stream of its own (spawn_key: not the bits get_batch's generator starts from): the CPU's, and
+    the GPU's on CUDA. (torch.manual_seed would also queue a seed, with a formatted stack, for every
+    device type not yet in use: 60 us per call, at each micro-step.)"""
+    s = int(np.random.SeedSequence((seed, *key), spawn_key=(1,)).generate_state(1, np.uint64)[0])
     torch.default_generator.manual_seed(s)
     if device_type == "cuda":
         torch.cuda.manual_seed(s)  # (this process's GPU, in use by now: seeded at once)

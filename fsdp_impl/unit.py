@@ -145,7 +145,8 @@ class ShardedUnit:
         self.modules_to_run = set()  # of a forward under way: a grouped unit's ends once all of them ran
         self.needs_post_backward = False  # a forward with grad ran: its backward will bring grads
         self.holds_unreduced_grads = False  # accumulated with gradient sync off, not yet reduce-scattered
-        self._gather = None  # (work, output, input: kept alive for the collective to read, copy-in event or None) while GATHERING
+        # (work, output, input: kept alive while the collective reads it, copy-in event or None) while GATHERING
+        self._gather = None
         self._copied_out = None  # offload: event of the grads' copy to CPU memory, while in flight
         self._full_memory = None  # from buffers.fill(flat_full), for buffers.drain()
         self._reduction = None  # (work, input, output, params) while a reduce-scatter is in flight
