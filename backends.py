@@ -53,6 +53,10 @@ def init_distributed(dist_backend, pg_backend, device, timeout_s):
         store = dist.PrefixStore(f"attempt{restart}", agent_store)
     dist.init_process_group(pg_backend if device.startswith("cuda") else "gloo", timeout=timeout, store=store,
                             rank=rank if store else -1, world_size=world_size if store else -1)
+    if world_size > 1:
+        # every rank is through the connecting before any may refuse the settings and leave: a peer still
+        # connecting would lose torchrun's store and print a traceback under the refusal's one line
+        dist.barrier(device_ids=[local_rank] if device.startswith("cuda") else None)
     return rank, world_size, device
 
 
