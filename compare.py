@@ -109,7 +109,7 @@ def overall_max_diff(runs):
             d = max_loss_diff(runs[i][1], runs[j][1])
             if d is None:
                 continue
-            if best[0] is None or math.isnan(d) or (not math.isnan(best[0]) and d > best[0]):
+            if best[0] is None or (not math.isnan(best[0]) and (math.isnan(d) or d > best[0])):  # (first NaN stays)
                 best = (d, runs[i][0], runs[j][0])
     return best
 
