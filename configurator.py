@@ -31,7 +31,7 @@ def report_error(msg):
     if os.environ.get("RANK", "0") == "0":  # under torchrun every process meets the same error
         print(f"error: {msg}", file=sys.stderr, flush=True)
     else:  # torchrun stops every process once one exits: let the first, which prints, get there first
-        time.sleep(10)
+        time.sleep(30)  # (ranks start seconds apart on a loaded machine; torchrun ends this wait anyway)
 
 
 def fail(msg):

@@ -3,13 +3,14 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
 from typing import NamedTuple
 
 import pytest
+
+from spawn import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED_INPUT = REPO.parent / "shared" / "data" / "tinyshakespeare" / "input.txt"
@@ -72,11 +73,6 @@ def launcher(nproc, torchrun=False, job_id=True):
     base = [found] if found else [sys.executable, "-m", "torch.distributed.run"]
     return base + (["--standalone"] if job_id else [f"--master_port={free_port()}"]) + [f"--nproc_per_node={nproc}"]
 
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_train(tmp_out, nproc, *args, timeout=300, env=None, torchrun=False):

@@ -11,6 +11,7 @@ of those features launch torchrun itself (conftest.torchrun).
     python tests/spawn.py N script.py [args...]
 """
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -21,9 +22,19 @@ GRACE_S = 30
 
 
 def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port from this pytest-xdist worker's own block, below the kernel's ephemeral range
+    (32768 and up), which sockets bound to port 0 draw from: a port found by binding port 0 could be
+    handed to another test's listener before the rank that is to serve on it binds it."""
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw"))
+    block = range(20000 + 1000 * worker, 21000 + 1000 * worker)
+    for port in random.sample(block, len(block)):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in {block.start}..{block.stop - 1}")
 
 
 def main():

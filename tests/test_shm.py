@@ -111,7 +111,7 @@ def test_the_same_bytes_cut_into_other_exchanges_are_an_error_and_the_group_stay
             (rank, raised)
         after = r["after_a_failure"]
         assert after["raised"] == "RuntimeError" and "an earlier exchange on this group failed" in after["message"]
-        assert r["after_a_failure_s"] < 1.0, r["after_a_failure_s"]
+        assert r["after_a_failure_s"] < 5.0, r["after_a_failure_s"]  # (the group's timeout is 30 min)
 
 
 @pytest.mark.parametrize("world", WORLDS)
@@ -119,7 +119,7 @@ def test_a_silent_peer_is_an_error_after_the_groups_timeout(report, world):
     for r in report(world):  # (the late rank itself exits in the next scenario and reports nothing)
         raised = r["silent_peer"]
         assert raised["raised"] == "RuntimeError" and "timed out after 2 s waiting for rank" in raised["message"], raised
-        assert 2.0 <= r["silent_peer_s"] < 5.9, r["silent_peer_s"]
+        assert 2.0 <= r["silent_peer_s"] < 9.9, r["silent_peer_s"]  # (the late rank comes after 10 s)
 
 
 @pytest.mark.parametrize("world", WORLDS)
