@@ -33,7 +33,8 @@ class RunResult(NamedTuple):
 
 def subprocess_env():
     env = dict(os.environ)
-    env.update(OMP_NUM_THREADS="1", WANDB_MODE="disabled", PYTHONUNBUFFERED="1")
+    # (faulthandler: a process that crashes, say with SIGSEGV, prints its threads' Python stacks)
+    env.update(OMP_NUM_THREADS="1", WANDB_MODE="disabled", PYTHONUNBUFFERED="1", PYTHONFAULTHANDLER="1")
     # never inherit a launcher's rendezvous variables: a plain `python train.py` must be one process
     for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
               "GROUP_RANK", "ROLE_RANK", "TORCHELASTIC_RUN_ID"):
