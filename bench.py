@@ -81,7 +81,9 @@ def run_train(row, nproc, out_dir, steps, extra, profile=False):
     if proc.returncode:
         refusal = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
         if refusal:  # train.py refused its settings (an unknown key, say): its one line says why
-            raise SystemExit(f"error: {row} at {nproc} processes: {refusal[0][len('error: '):]}")
+            passed_on = " (bench.py passes the flags it does not take to train.py)" if "unknown config key" in \
+                refusal[0] else ""
+            raise SystemExit(f"error: {row} at {nproc} processes: {refusal[0][len('error: '):]}{passed_on}")
         raise SystemExit(f"error: {row} at {nproc} processes failed:\n{proc.stderr[-3000:]}")
     with open(os.path.join(out_dir, "metrics.jsonl")) as f:
         return [json.loads(line) for line in f]

@@ -28,12 +28,11 @@ def load_metrics(path):
 
     Lines that are not JSON objects or lack the needed keys (e.g. {"event": ...}) are skipped.
     """
-    if os.path.isdir(path):
-        path = os.path.join(path, "metrics.jsonl")
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"no metrics.jsonl at {path}")
+    file = os.path.join(path, "metrics.jsonl") if os.path.isdir(path) else path
+    if not os.path.isfile(file):
+        raise FileNotFoundError(f"no metrics.jsonl in {path}" if file != path else f"{path} does not exist")
     train, evals = [], []
-    with open(path) as f:
+    with open(file) as f:
         for line in f:
             try:
                 row = json.loads(line)

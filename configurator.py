@@ -87,6 +87,10 @@ def apply(config, argv):
         for key, value in defaults.items():
             print(f"  --{key}={value!r}" if isinstance(value, str) else f"  --{key}={value}")
         raise SystemExit(0)
+    for arg in argv:  # the form first: `--max_iters 10` would otherwise fail as a config file named 10
+        flag = arg.startswith("--")
+        if (flag and "=" not in arg) or (not flag and "=" in arg and not os.path.exists(arg)):
+            fail(f"expected --key=value, got '{arg}'")
     for arg in [a for a in argv if not a.startswith("--")]:
         for key, value in run_file(arg).items():
             if key in defaults:
@@ -95,9 +99,7 @@ def apply(config, argv):
                 fail(f"unknown config key '{key}' in {arg}")
             # else: an import or helper the file uses, not a setting
     for arg in [a for a in argv if a.startswith("--")]:
-        key, sep, text = arg[2:].partition("=")
-        if not sep:
-            fail(f"expected --key=value, got '{arg}'")
+        key, _, text = arg[2:].partition("=")
         if key not in defaults:
             fail(f"unknown config key '{key}'")
         try:

@@ -117,6 +117,13 @@ def fail(msg):
     leave(2)
 
 
+def checkpoints_kept():
+    """What a stop for non-finite numbers leaves, for its error line."""
+    if checkpoint.holds_checkpoints(out_dir):
+        return f"the last checkpoint in {out_dir} is untouched"
+    return f"{out_dir} holds no checkpoint yet"
+
+
 def creatable(path):
     """Whether directory `path` exists writable, or its nearest existing ancestor can hold it."""
     while not os.path.lexists(path):
@@ -237,8 +244,8 @@ if init_from != "resume" and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)
     if master:
         print(f"restart {os.environ['TORCHELASTIC_RESTART_COUNT']}: resuming from the last checkpoint")
 if init_from != "resume" and not eval_only and checkpoint.holds_checkpoints(out_dir):
-    fail(f"{out_dir} holds another run's checkpoints: continue it with --init_from=resume, or choose "
-         "another out_dir (a new run there would replace them, and start its metrics.jsonl afresh)")
+    fail(f"{out_dir} holds another run's checkpoints, which a new run there would replace (and start its "
+         "metrics.jsonl afresh): continue it with --init_from=resume, or choose another out_dir")
 data_vocab = 50257  # the data's token ids are below this: GPT-2's BPE, unless meta.pkl says otherwise
 if os.path.exists(os.path.join(data_dir, "meta.pkl")):
     import pickle
@@ -426,7 +433,7 @@ def report_last_step():
     loss_mean = loss_total / world_size
     if on_nonfinite == "stop" and not finite_step(loss_mean, grad_norm):
         fail(f"non-finite loss {loss_mean} or grad norm {grad_norm} at iteration {row['iter']}; "
-             f"the last checkpoint in {out_dir} is untouched (on_nonfinite='skip' skips such steps)")
+             f"{checkpoints_kept()} (on_nonfinite='skip' skips such steps)")
     if master:
         log_metrics(**({"iter": row["iter"], "loss": loss_mean, "grad_norm": grad_norm} | row))
         if wandb_log:
@@ -465,7 +472,7 @@ while True:
             checked = losses or estimate_loss(1)
             if not all(map(math.isfinite, checked.values())) or not weights_finite(model):
                 fail(f"the model is not finite at iteration {iter_num} (losses {checked}): nothing "
-                     f"saved; the last checkpoint in {out_dir} is untouched")
+                     f"saved; {checkpoints_kept()}")
             checkpoint.save(out_dir, model, optimizer, keep=keep_checkpoints, meta=dict(
                 iter_num=iter_num, best_val_loss=best_val_loss, model_args=model_args, config=config,
                 dist_backend=dist_backend, world_size=world_size, loss_scale=back.loss_scale_state(),
@@ -514,7 +521,7 @@ while True:
             skipped_in_a_row += 1
             if skipped_in_a_row > max_skipped_steps:  # a bad batch passes; a diverged model does not
                 fail(f"{skipped_in_a_row} steps in a row had a non-finite loss or grad norm (iteration {iter_num}): "
-                     f"skipping does not recover; the last checkpoint in {out_dir} is untouched")
+                     f"skipping does not recover; {checkpoints_kept()}")
             back.skip_step(optimizer)
             if master:
                 print(f"iter {iter_num}: non-finite loss {loss_total / world_size} or grad norm {grad_norm}: step skipped")

@@ -467,7 +467,8 @@ def test_bench_passes_on_train_py_refusal_as_its_one_line(char_data, tmp_path):
                   "--steps=3", f"--work_dir={tmp_path}", f"--data_dir={char_data}", "--device=cpu", "--step=3"],
                  timeout=120)
     assert res.returncode != 0
-    assert res.stderr.splitlines() == ["error: ddp at 2 processes: unknown config key 'step'"], res.describe()
+    assert res.stderr.splitlines() == ["error: ddp at 2 processes: unknown config key 'step' (bench.py passes the "
+                                       "flags it does not take to train.py)"], res.describe()
 
 
 def test_train_writes_traces_memory_reports_and_a_memory_trace(char_data, tmp_path):

@@ -96,8 +96,11 @@ def test_missing_metrics_exits_1(tmp_path):
                           "--out", str(tmp_path / "x.png")], capture_output=True, text=True, timeout=120)
     assert res.returncode == 1
     lines = res.stderr.strip().splitlines()
-    assert len(lines) == 1 and "metrics.jsonl" in lines[0]
+    assert lines == [f"error: no metrics.jsonl in {empty}"], lines
     assert not (tmp_path / "x.png").exists()
+    res = subprocess.run([sys.executable, str(REPO / "compare.py"), str(a), str(tmp_path / "typo")],
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 1 and res.stderr.splitlines() == [f"error: {tmp_path / 'typo'} does not exist"]
 
 
 @pytest.mark.parametrize("out,problem", [("x.txt", "name a picture file"), ("x", "name a picture file"),

@@ -106,6 +106,8 @@ def test_a_string_setting_takes_text_that_looks_like_a_number(defaults):
     (["CFG:learning_rate = False\n"], ["learning_rate", "float", "False"]),
     (["--out_dir"], ["expected --key=value", "'--out_dir'"]),  # not an empty out_dir
     (["--compile"], ["expected --key=value", "'--compile'"]),
+    (["--max_iters", "10"], ["expected --key=value", "'--max_iters'"]),  # (not: no config file named 10)
+    (["max_iters=10"], ["expected --key=value", "'max_iters=10'"]),
 ])
 def test_a_bool_is_no_float_and_an_override_needs_its_value(defaults, capsys, tmp_path, argv, words):
     argv = [write(tmp_path, a[4:]) if a.startswith("CFG:") else a for a in argv]

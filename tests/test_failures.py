@@ -221,7 +221,7 @@ def test_nonfinite_loss_stops_naming_the_iteration_and_keeps_the_checkpoint(args
     bad = ["--learning_rate=1e9", "--warmup_iters=0", "--decay_lr=False", "--grad_clip=0.0"]
     res = run_train(tmp_path, 2, *args, "--dist_backend=custom_fsdp", "--init_from=resume", *bad)
     line = one_error_line(res)
-    assert "non-finite" in line and "at iteration" in line
+    assert "non-finite" in line and "at iteration" in line and f"the last checkpoint in {tmp_path} is untouched" in line
     assert (tmp_path / "latest").read_text() == "ckpt-0000004"
     assert {p.name: p.read_bytes() for p in (tmp_path / "ckpt-0000004").iterdir()} == before
     # evaluated after every step: the first step's loss is finite, but the weights it leaves compute
@@ -238,7 +238,8 @@ def test_nonfinite_step_read_one_step_late_still_stops_before_the_save(tiny_args
     checkpoint iteration must still stop the run, naming its own iteration, before that save."""
     bad = ["--learning_rate=1e9", "--warmup_iters=0", "--decay_lr=False", "--grad_clip=0.0"]
     res = run_train(tmp_path, 1, *tiny_args, "--eval_interval=2", "--max_iters=6", "--eval_iters=0", *bad)
-    assert "non-finite loss nan or grad norm nan at iteration 1;" in one_error_line(res)
+    line = one_error_line(res)
+    assert "non-finite loss nan or grad norm nan at iteration 1;" in line and "holds no checkpoint yet" in line
     assert not list(tmp_path.glob("ckpt-*")), "a checkpoint was saved after the non-finite step"
     assert [row["iter"] for row in load_metrics(tmp_path)[0]] == [0]
 
