@@ -75,7 +75,6 @@ def launcher(nproc, torchrun=False, job_id=True):
     return base + (["--standalone"] if job_id else [f"--master_port={free_port()}"]) + [f"--nproc_per_node={nproc}"]
 
 
-
 def run_train(tmp_out, nproc, *args, timeout=300, env=None, torchrun=False):
     """train.py with out_dir=tmp_out on the CPU; returns RunResult(returncode, stdout, stderr)."""
     cmd = launcher(nproc, torchrun) + [REPO / "train.py", f"--out_dir={tmp_out}", "--device=cpu", *args]
