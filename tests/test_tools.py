@@ -4,6 +4,7 @@ import importlib.util
 import io
 import json
 import shutil
+import socket
 import sys
 import urllib.error
 import urllib.request
@@ -11,7 +12,7 @@ import urllib.request
 import pytest
 import torch
 
-from conftest import REPO, clone_checkpoint, launch, one_error_line, run_train
+from conftest import REPO, clone_checkpoint, free_port, launch, one_error_line, run_train
 
 sys.path.insert(0, str(REPO))
 from fsdp_impl import overlap  # noqa: E402
@@ -269,6 +270,18 @@ def test_spawn_gives_ranks_torchruns_environment_and_stops_them_when_one_fails(t
     assert [r[:3] for r in rows] == [["0", "0", "3"], ["1", "1", "3"], ["2", "2", "3"]], res.describe()
     assert len({r[3] for r in rows}) == 1
     assert res.returncode == (0 if failing_rank < 0 else 3), res.describe()  # (not the 120 s sleep's end)
+
+
+def test_a_free_port_comes_from_this_workers_block_below_the_ephemeral_range(monkeypatch):
+    """Two xdist workers never draw the same port, and no socket bound to port 0 (which the kernel
+    serves from its ephemeral range) takes one between the draw and rank 0's bind."""
+    monkeypatch.setenv("PYTEST_XDIST_WORKER", "gw1")
+    ports = {free_port() for _ in range(20)}
+    assert all(21000 <= p < 22000 for p in ports) and len(ports) > 1, ports
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+        assert max(ports) < int(f.read().split()[0])
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", ports.pop()))  # free indeed
 
 
 def sample_function(name):
