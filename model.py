@@ -150,8 +150,9 @@ class GPT(nn.Module):
         loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
         return logits, loss
 
-    def configure_optimizers(self, weight_decay, learning_rate, betas):
-        """AdamW with weight decay on matrices only (not on biases and LayerNorm gains)."""
+    def configure_optimizers(self, weight_decay, learning_rate, betas, optimizer_class=torch.optim.AdamW):
+        """AdamW (or a subclass: the sharded backends' steps the local shards) with weight decay on
+        matrices only (not on biases and LayerNorm gains)."""
         params = [p for p in self.parameters() if p.requires_grad]
         groups = [
             {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
@@ -159,7 +160,7 @@ class GPT(nn.Module):
         ]
         # fused: one kernel (and, on sharded DTensor parameters, one Python dispatch) per parameter
         # group, where foreach takes about ten and the per-parameter loop ten per parameter
-        return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=True)
+        return optimizer_class(groups, lr=learning_rate, betas=betas, fused=True)
 
     def estimate_mfu(self, fwdbwd_per_iter, dt, peak_flops):
         """Model FLOPs utilisation (PaLM appendix B), or None where the peak is unknown."""

@@ -304,7 +304,7 @@ with torch.device("meta"):  # no memory yet: the backend shards first, then mate
 model = back.wrap(model, materialize)
 pretrained = None  # (every rank held the whole model's weights until its shards were copied out)
 gpt = back.unwrap(model)
-optimizer = gpt.configure_optimizers(weight_decay, learning_rate, (beta1, beta2))
+optimizer = gpt.configure_optimizers(weight_decay, learning_rate, (beta1, beta2), back.optimizer_class)
 if init_from == "resume":
     try:
         checkpoint.load(ckpt_path, model, optimizer)
