@@ -535,7 +535,7 @@ def test_profiled_steps_hold_training_steps_only_and_enclose_their_logged_time(b
         for s in steps:
             names = [e["name"] for e in main if s["ts"] <= e["ts"] < s["ts"] + s["dur"]]
             assert names.count("aten::cross_entropy_loss") == local_steps  # one per micro-batch: no evaluation
-            assert names.count("Optimizer.step#AdamW.step") == 1
+            assert sum(n.startswith("Optimizer.step#") for n in names) == 1  # (#<its class>.step)
             assert not CHECKPOINT_COLLECTIVES & set(names)
         if backend == "custom_fsdp":  # its exchanges (through shared memory) are in the steps, on comm.py's posting thread
             moves = [e for e in events if e["name"].startswith("shm:") and any(
