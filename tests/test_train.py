@@ -382,6 +382,37 @@ model = back.wrap(gpt, lambda m: m.init_weights(0))
 opt = back.unwrap(model).configure_optimizers(0.1, 1e-3, (0.9, 0.95), back.optimizer_class)
 """
 
+PREFETCH_ORDER = """
+import torch
+from backends import init_distributed, make_backend
+from fsdp_impl.comm import ledger
+from model import GPT, GPTConfig
+init_distributed("custom_fsdp", "gloo", "cpu", 60)
+x = torch.randint(0, 64, (2, 16))
+for prefetch in (False, True):
+    cfg = dict(device="cpu", dtype="float32", cpu_offload=False, replicate_degree=1, wrap_policy="block",
+               min_wrap_params=1, reshard_after_forward=True, prefetch=prefetch, shared_memory=True, compile=False)
+    with torch.device("meta"):
+        gpt = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=64, dropout=0.0, bias=False))
+    model = make_backend("custom_fsdp", cfg).wrap(gpt, lambda m: m.init_weights(0))
+    for step in range(2):  # (the second: by then the units' order is known, so a default prefetch would run)
+        ledger.reset(record_events=step == 1)
+        model(x, x)[1].backward()
+    ev = ledger.events
+    print(prefetch, ev.index(("all_gather", "transformer.h.0")) < ev.index(("forward", "root")),
+          ev.index(("all_gather", "transformer.h.1")) < ev.index(("forward", "transformer.h.0")))
+"""
+
+
+def test_prefetch_setting_reaches_the_units():
+    """prefetch=False through make_backend: each block is gathered only when its forward starts,
+    after the unit before it began computing; prefetch=True: before (one process: the ledger logs
+    the gathers all the same)."""
+    res = launch([sys.executable, "-c", PREFETCH_ORDER], timeout=120)
+    assert res.returncode == 0, res.describe()
+    assert res.stdout.strip().splitlines()[-2:] == ["False False False", "True True True"], res.describe()
+
+
 STEP_AGAINST_ADAMW = BACKEND_GPT + """
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
@@ -389,6 +420,9 @@ with torch.device("meta"):  # a second copy of the model, stepped by torch's Ada
     gpt = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=64, dropout=0.0, bias=False))
 model2 = back.wrap(gpt, lambda m: m.init_weights(0))
 opt2 = back.unwrap(model2).configure_optimizers(0.1, 1e-3, (0.9, 0.95))
+for o in (opt, opt2):
+    for group in o.param_groups:  # AdamW's other settings (the fused kernel takes them too)
+        group.update({"default": {}, "amsgrad_maximize": {"amsgrad": True, "maximize": True}}[sys.argv[2]])
 hooks_run = []
 opt.register_step_pre_hook(lambda *args: hooks_run.append("pre"))
 opt.register_step_post_hook(lambda *args: hooks_run.append("post"))
@@ -422,19 +456,34 @@ os._exit(0)  # FSDP2 on gloo can abort in interpreter teardown after a clean run
 """
 
 
+@pytest.mark.parametrize("settings", ["default", "amsgrad_maximize"])
 @pytest.mark.parametrize("backend", ["fsdp", "custom_fsdp"])
-def test_sharded_backends_adamw_steps_the_local_shards_to_adamws_bits(backend):
+def test_sharded_backends_adamw_steps_the_local_shards_to_adamws_bits(backend, settings):
     """The sharded backends' optimizer steps the local shards, past DTensor's dispatch: parameters
     and every state tensor equal, bit for bit, those of a copy stepped by torch's AdamW, over four
-    steps at two ranks with the lr changing; its step hooks run; and once the state exists a step
-    builds no DTensor spec (through DTensor's dispatch it would: MEASUREMENTS.md, eighth GPU round)."""
-    res = launch(launcher(2) + ["-c", STEP_AGAINST_ADAMW, backend], timeout=120)
+    steps at two ranks with the lr changing, with train.py's settings and with amsgrad and
+    maximize on; its step hooks run; and once the state exists a step builds no DTensor spec
+    (through DTensor's dispatch it would: MEASUREMENTS.md, eighth GPU round)."""
+    res = launch(launcher(2) + ["-c", STEP_AGAINST_ADAMW, backend, settings], timeout=120)
     assert res.returncode == 0, res.describe()
     name, n_params, same_params, same_state, moved, hooks, specs = res.stdout.strip().splitlines()[-1].split()
     assert name == "AdamWOnLocalShards" and int(n_params) == 2 * 6 + 3  # 6 per block, wte, wpe, ln_f
     assert (same_params, same_state, moved) == ("True", "True", "True"), res.stdout
     assert hooks == ",".join(["pre,post"] * 4)  # at each step
     assert int(specs) == 0
+
+
+def test_adamw_on_local_shards_refuses_what_it_does_not_do():
+    """A closure and differentiable=True (torch's AdamW takes both): refused with an error, not
+    stepped some other way."""
+    from backends import AdamWOnLocalShards
+    p = torch.nn.Parameter(torch.ones(2))
+    p.grad = torch.ones(2)
+    with pytest.raises(ValueError, match="closure"):
+        AdamWOnLocalShards([p]).step(lambda: 0.0)
+    with pytest.raises(ValueError, match="differentiable"):
+        AdamWOnLocalShards([p], differentiable=True).step()
+    assert torch.equal(p.detach(), torch.ones(2))
 
 
 CLIP_AGAINST_TORCH = BACKEND_GPT + """
