@@ -256,13 +256,14 @@ class AdamWOnLocalShards(torch.optim.AdamW):
     3.1 ms of host time per step at GPT-2 124M against the plain model's 0.6 ms, on the critical
     path of the host-bound per-block step (MEASUREMENTS.md, eighth GPU round). A subclass, not a
     call of its own, so that optimizer.step() keeps its hooks (fsdp_impl reshards before a step
-    through one); the state, its creation and the state_dict are AdamW's. train.py needs neither a
-    closure nor differentiable=True, which it refuses."""
+    through one); the state, its creation and the state_dict are AdamW's. It refuses a closure and
+    differentiable=True, which train.py does not use."""
 
     @torch.no_grad()
     def step(self, closure=None):
         if closure is not None or any(group["differentiable"] for group in self.param_groups):
-            raise ValueError("AdamWOnLocalShards.step takes no closure and no differentiable=True (torch's AdamW does)")
+            raise ValueError("AdamWOnLocalShards.step takes no closure and no differentiable=True "
+                             "(torch's AdamW does)")
         for group in self.param_groups:
             # params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, step counters, of those with a grad
             tensors = [[] for _ in range(6)]
