@@ -16,7 +16,8 @@ are against the first backend; below the table, each repeat's step time is also 
 first backend's run beside it, with the median and range of those ratios: the spread says how
 far to trust one.
 Per backend it also prints the training thread's CPU time per step in forward and backward,
-clipping and the optimizer step (train.py's host_ms): on a GPU, the host's own work; and rank 0's
+clipping and the optimizer step (train.py's host_ms): on a GPU, the host's own work but backward's
+(autograd runs it on a thread of its own for the device); and rank 0's
 process CPU time per step, every thread's (train.py's cpu_ms): on a CPU machine whose cores are
 all busy, the step time follows it. The table is also written as JSON (--json; by default
 bench_out/bench.json, or sweep.json / comm.json for --sweep / --comm). A backend may carry its

@@ -141,7 +141,8 @@ class Observer:
     @contextmanager
     def host_time(self, phase):
         """Add the training thread's CPU time inside the block to this step's `phase`. On a GPU it
-        is the host's own work (Python, dispatch, launches), which the device may be waiting on;
+        is the host's own work (Python, dispatch, launches), which the device may be waiting on,
+        except backward's: autograd runs that on a thread of its own for the device, not counted;
         on a CPU the compute as well. Waits that sleep (gloo's) do not count; CUDA synchronizations
         spin and would, but train.py's one per step is outside the phases."""
         start = time.thread_time()
