@@ -307,7 +307,7 @@ class FSDPBackend(Backend):
         self.mesh = init_device_mesh(self.device.type, shape, mesh_dim_names=names)
         self.shard_group = self.mesh.get_group(self.mesh.ndim - 1)
 
-    def _groups(self, blocks):
+    def unit_groups(self, blocks):
         """Consecutive blocks per unit: one each, all together, or grouped up to min_wrap_params."""
         policy = self.cfg["wrap_policy"]
         if policy == "block":
@@ -325,7 +325,7 @@ class FSDPBackend(Backend):
 
     def wrap(self, model, materialize):
         blocks = list(model.transformer.h)
-        groups = self._groups(blocks)
+        groups = self.unit_groups(blocks)
         if self.cfg["compile"]:
             # the FSDP hooks stay outside the graphs: with units per block, compile each block's
             # forward and the output layer with the loss; with one unit, the whole forward is

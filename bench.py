@@ -6,6 +6,7 @@ Side-by-side cost of the backends on the same model and data, from one command.
     python bench.py --backends=custom_fsdp,custom_fsdp:prefetch=False ...   one backend, two settings
     python bench.py --sweep [--backends=...]     per-rank memory and step time at world sizes 1, 2, 4
     python bench.py --comm --nproc=2 [--comm_mb=1,4,16,64,256]   collective time and bus bandwidth by size
+    python bench.py --host [--backends=...] [--steps=100] [--key=value ...]   host time per FSDP unit
 
 Each backend runs train.py under torchrun; runs are interleaved (A B C A B C ...) so drift on a
 noisy machine hits every backend alike. Figures are medians over steps (the first two, which
@@ -25,6 +26,15 @@ own train.py settings after colons (`fsdp:reshard_after_forward=False`); they ap
 only, on top of the command's. A config file replaces bench's default model (4 x 256, batch
 8 x 128) with its own, on train.py's defaults (still one micro-batch per rank). Relative paths
 (--work_dir, --json, train.py's --data_dir) start from the folder bench.py runs in.
+
+--host asks what the backends' own code costs the host per step, where one run per process is too
+noisy to say: every backend's model is built in this one process (world size 1), and their
+training steps alternate one by one, so the machine's drift hits each alike. The default model's
+compute is negligible (12 blocks 32 wide, batch 1 x 16: HOST_MODEL), so a step is host time, and
+the difference against the first backend, divided by a backend's units, is what each unit costs
+(on a GPU each step waits for the device, and the host time includes backward's thread). With
+--compile=True DDP compiles the model whole and the FSDP backends block by block, so against DDP
+that difference also holds per-block compile's own cost.
 """
 import argparse
 import json
@@ -229,6 +239,90 @@ def sweep(args, extra):
     return {"sweep": out}
 
 
+# --host: the model and the train.py settings it takes (--key=value, and a row's own after colons)
+HOST_MODEL = dict(n_layer=12, n_head=2, n_embd=32, block_size=16, batch_size=1, bias=False, vocab_size=65)
+HOST_SETTINGS = dict(device="cpu", dtype="float32", compile=False, wrap_policy="block", min_wrap_params=1_000_000,
+                     reshard_after_forward=True, prefetch=True, shared_memory=True, cpu_offload=False,
+                     replicate_degree=1, **{k: v for k, v in HOST_MODEL.items() if k != "vocab_size"})
+
+
+def host_settings(flags):
+    """HOST_SETTINGS with --key=value `flags` applied (train.py's parsing: a wrong key or type fails in one line)."""
+    import configurator
+    return configurator.apply(dict(HOST_SETTINGS), flags)
+
+
+def build_for_host(row, extra):
+    """A --host row's backend, model and optimizer, in this process, and its unit count (0 for ddp)."""
+    import torch
+    import backends
+    from model import GPT, GPTConfig
+
+    name, settings = split_row(row)
+    cfg = host_settings(extra + settings)
+    back = backends.make_backend(name, cfg)
+    conf = GPTConfig(**{k: cfg[k] for k in ("n_layer", "n_head", "n_embd", "block_size", "bias")},
+                     vocab_size=HOST_MODEL["vocab_size"])
+    with torch.device("meta"):
+        model = GPT(conf)
+    model = back.wrap(model, lambda m: m.init_weights(0))
+    optimizer = back.unwrap(model).configure_optimizers(0.1, 1e-3, (0.9, 0.95), back.optimizer_class)
+    units = 0 if name == "ddp" else len(back.unit_groups(list(model.transformer.h))) + 1  # (+ the root)
+    return back, model, optimizer, units
+
+
+def bench_host(args, extra):
+    import torch
+    import torch.distributed as dist
+    import backends
+
+    cfg = host_settings(extra)
+    backends.init_distributed("custom_fsdp", "nccl", cfg["device"], 600)  # (a group of one, for the sharded backends)
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))  # (as bench's train.py runs)
+    rows = {row: build_for_host(row, extra) for row in args.backends}
+    gen = torch.Generator().manual_seed(0)
+    x, y = (torch.randint(HOST_MODEL["vocab_size"], (cfg["batch_size"], cfg["block_size"]), generator=gen)
+            .to(cfg["device"]) for _ in range(2))
+    sync = torch.cuda.synchronize if cfg["device"].startswith("cuda") else (lambda: None)
+    times = {row: [] for row in rows}
+    for _ in range(args.steps):
+        for row, (back, model, optimizer, _) in rows.items():  # interleaved, step by step
+            sync()
+            start = time.perf_counter()
+            with back.autocast():
+                _, loss = model(x, y)
+            back.backward(loss)
+            sync()
+            backward_done = time.perf_counter()
+            back.clip_grad_norm(optimizer, 1.0)
+            back.step(optimizer)
+            optimizer.zero_grad(set_to_none=True)
+            sync()
+            times[row].append((backward_done - start, time.perf_counter() - backward_done))
+    first = args.backends[0]
+    table = {}
+    for row, (*_, units) in rows.items():
+        timed = times[row][WARMUP_STEPS:]
+        table[row] = {"units": units, "forward_backward_ms": 1e3 * statistics.median(t[0] for t in timed),
+                      "optimizer_ms": 1e3 * statistics.median(t[1] for t in timed)}
+    for row, figures in table.items():
+        extra_ms = figures["forward_backward_ms"] - table[first]["forward_backward_ms"]
+        figures["forward_backward_ms_per_unit_vs_first"] = extra_ms / figures["units"] if figures["units"] else None
+    print(f"host time per step, one process, {args.steps} interleaved steps (medians past the first {WARMUP_STEPS}); "
+          f"model {', '.join(f'{k}={cfg[k]}' for k in HOST_MODEL if k in cfg)}; ratios vs {first}")
+    width = max(12, *map(len, table))
+    print(" | ".join(["backend".ljust(width), "units", "forward+backward ms".rjust(20), "optimizer ms".rjust(20),
+                      f"per unit vs {first}, ms".rjust(24)]))
+    for row, f in table.items():
+        per_unit = f["forward_backward_ms_per_unit_vs_first"]
+        print(" | ".join([row.ljust(width), str(f["units"]).rjust(5),
+                          fmt(f["forward_backward_ms"], table[first]["forward_backward_ms"]).rjust(20),
+                          fmt(f["optimizer_ms"], table[first]["optimizer_ms"]).rjust(20),
+                          ("-" if per_unit is None else f"{per_unit:.3f}").rjust(24)]))
+    dist.destroy_process_group()
+    return {"steps": args.steps, "extra": extra, "backends": table}
+
+
 def comm_worker(sizes_mb):
     """Under torchrun: time all-gather and reduce-scatter (the library's and fsdp_impl's) and
     all-reduce (DDP's) by message size (MB of the full buffer) on this process group, and rank 0's
@@ -306,10 +400,11 @@ def main():
                                 allow_abbrev=False)
     p.add_argument("--backends", default="ddp,fsdp,custom_fsdp")
     p.add_argument("--nproc", type=int, default=None, help="processes per run (2; --sweep runs 1, 2 and 4)")
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--repeats", type=int, default=None, help="runs per backend, interleaved (3)")
+    p.add_argument("--steps", type=int, default=None, help="steps per run (12; --host: 100)")
     p.add_argument("--sweep", action="store_true")
     p.add_argument("--comm", action="store_true")
+    p.add_argument("--host", action="store_true", help="host time per FSDP unit, in one process (see above)")
     p.add_argument("--comm_mb", default=None, help="--comm: full buffer sizes in MB, comma-separated (1,4,16,64,256)")
     p.add_argument("--work_dir", default="bench_out")
     p.add_argument("--json", default=None)
@@ -331,17 +426,24 @@ def main():
         args.comm_mb = "1,4,16,64,256"
     if not re.fullmatch(r"[1-9]\d*(,[1-9]\d*)*", args.comm_mb):
         p.error(f"--comm_mb={args.comm_mb}: sizes in whole MB, comma-separated (1,4,16)")
+    if sum((args.sweep, args.comm, args.host)) > 1:
+        p.error("--sweep, --comm and --host are separate modes: ask for one")
     if args.sweep and args.nproc is not None:
         p.error(f"--nproc={args.nproc}: --sweep runs world sizes 1, 2 and 4")
+    if args.host and (args.nproc is not None or args.repeats is not None):
+        p.error("--host runs every backend in one process, its steps interleaved: no --nproc, no --repeats")
+    args.steps = (100 if args.host else 12) if args.steps is None else args.steps
+    args.repeats = 3 if args.repeats is None else args.repeats
     args.nproc = 2 if args.nproc is None else args.nproc
     for name in ("nproc", "repeats"):
         if getattr(args, name) < 1:
             p.error(f"--{name}={getattr(args, name)}: at least 1")
     if args.steps < WARMUP_STEPS + 1 and not args.comm:
         p.error(f"--steps={args.steps}: at least {WARMUP_STEPS + 1} (the first {WARMUP_STEPS}, warm-up, are not timed)")
-    result = bench_comm(args) if args.comm else sweep(args, extra) if args.sweep else bench_backends(args, extra)
+    result = bench_comm(args) if args.comm else sweep(args, extra) if args.sweep else \
+        bench_host(args, extra) if args.host else bench_backends(args, extra)
     # each mode its own default file, so that one never overwrites another's results
-    default = "comm.json" if args.comm else "sweep.json" if args.sweep else "bench.json"
+    default = "comm.json" if args.comm else "sweep.json" if args.sweep else "host.json" if args.host else "bench.json"
     path = args.json or os.path.join(args.work_dir, default)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:

@@ -291,11 +291,13 @@ def test_bench_interleaves_the_rows_and_returns_the_table_it_prints(tmp_path, ca
     json.dumps(result)  # (written as JSON as it is)
 
 
-@pytest.mark.parametrize("mode,written", [([], "bench.json"), (["--sweep"], "sweep.json"), (["--comm"], "comm.json")])
+@pytest.mark.parametrize("mode,written", [([], "bench.json"), (["--sweep"], "sweep.json"), (["--comm"], "comm.json"),
+                                          (["--host"], "host.json")])
 def test_each_mode_writes_its_own_default_json(mode, written, tmp_path, capsys):
     result = {"mode": written}
     with mock.patch.object(bench, "bench_backends", return_value=result), \
             mock.patch.object(bench, "sweep", return_value=result), mock.patch.object(bench, "bench_comm", return_value=result), \
+            mock.patch.object(bench, "bench_host", return_value=result), \
             mock.patch.object(sys, "argv", ["bench.py", *mode, f"--work_dir={tmp_path}"]):
         bench.main()
     assert os.listdir(tmp_path) == [written] and json.loads((tmp_path / written).read_text()) == result
@@ -804,3 +806,33 @@ def test_a_config_file_sets_the_benchmarked_model(tmp_path):
     assert (from_file["n_layer"], from_file["n_embd"], from_file["batch_size"], from_file["n_head"]) == (3, 384, 2, 12)
     for run in (default, from_file):
         assert (run["eval_iters"], run["keep_checkpoints"], run["gradient_accumulation_steps"]) == (0, 0, 2)
+
+
+def test_host_mode_charges_each_backend_its_difference_per_unit(tmp_path):
+    """bench.py --host: every row's model in one process, steps interleaved; the units are none for
+    DDP's plain model, a block each plus the root for the FSDPs, one under wrap_policy='model' (a
+    row's own setting), and the per-unit figure is the row's forward and backward over the first
+    row's, divided by its units."""
+    out = tmp_path / "host.json"
+    one_unit = "custom_fsdp:wrap_policy=model"
+    res = launch([sys.executable, REPO / "bench.py", "--host", f"--backends=ddp,custom_fsdp,fsdp,{one_unit}",
+                  "--steps=5", f"--json={out}", "--n_layer=2"], timeout=300)
+    assert res.returncode == 0, res.describe()
+    result = json.loads(out.read_text())
+    rows = result["backends"]
+    assert result["steps"] == 5 and list(rows) == ["ddp", "custom_fsdp", "fsdp", one_unit]
+    assert [r["units"] for r in rows.values()] == [0, 3, 3, 1]
+    base = rows["ddp"]["forward_backward_ms"]
+    assert rows["ddp"]["forward_backward_ms_per_unit_vs_first"] is None
+    for r in list(rows.values())[1:]:
+        assert r["forward_backward_ms"] > 0 and r["optimizer_ms"] > 0
+        assert r["forward_backward_ms_per_unit_vs_first"] == pytest.approx((r["forward_backward_ms"] - base) / r["units"])
+    assert "per unit vs ddp" in res.stdout and "n_layer=2" in res.stdout
+
+
+@pytest.mark.parametrize("flags,message", [(["--nproc=2"], "no --nproc, no --repeats"),
+                                           (["--sweep"], "separate modes"),
+                                           (["--n_layers=2"], "unknown config key 'n_layers'")])
+def test_host_mode_refuses_what_it_does_not_take(flags, message):
+    res = launch([sys.executable, REPO / "bench.py", "--host", "--backends=ddp", "--steps=3", *flags], timeout=120)
+    assert res.returncode == 2 and message in res.stderr, res.describe()
