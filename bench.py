@@ -239,11 +239,12 @@ def sweep(args, extra):
     return {"sweep": out}
 
 
-# --host: the model and the train.py settings it takes (--key=value, and a row's own after colons)
+# --host: its model and the settings it takes (train.py's names, and vocab_size, which train.py takes
+# from the data), each a --key=value, or a row's own after colons
 HOST_MODEL = dict(n_layer=12, n_head=2, n_embd=32, block_size=16, batch_size=1, bias=False, vocab_size=65)
 HOST_SETTINGS = dict(device="cpu", dtype="float32", compile=False, wrap_policy="block", min_wrap_params=1_000_000,
                      reshard_after_forward=True, prefetch=True, shared_memory=True, cpu_offload=False,
-                     replicate_degree=1, **{k: v for k, v in HOST_MODEL.items() if k != "vocab_size"})
+                     replicate_degree=1, **HOST_MODEL)
 
 
 def host_settings(flags):
@@ -261,8 +262,7 @@ def build_for_host(row, extra):
     name, settings = split_row(row)
     cfg = host_settings(extra + settings)
     back = backends.make_backend(name, cfg)
-    conf = GPTConfig(**{k: cfg[k] for k in ("n_layer", "n_head", "n_embd", "block_size", "bias")},
-                     vocab_size=HOST_MODEL["vocab_size"])
+    conf = GPTConfig(**{k: cfg[k] for k in ("n_layer", "n_head", "n_embd", "block_size", "bias", "vocab_size")})
     with torch.device("meta"):
         model = GPT(conf)
     model = back.wrap(model, lambda m: m.init_weights(0))
@@ -281,7 +281,7 @@ def bench_host(args, extra):
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))  # (as bench's train.py runs)
     rows = {row: build_for_host(row, extra) for row in args.backends}
     gen = torch.Generator().manual_seed(0)
-    x, y = (torch.randint(HOST_MODEL["vocab_size"], (cfg["batch_size"], cfg["block_size"]), generator=gen)
+    x, y = (torch.randint(cfg["vocab_size"], (cfg["batch_size"], cfg["block_size"]), generator=gen)
             .to(cfg["device"]) for _ in range(2))
     sync = torch.cuda.synchronize if cfg["device"].startswith("cuda") else (lambda: None)
     times = {row: [] for row in rows}
@@ -309,7 +309,7 @@ def bench_host(args, extra):
         extra_ms = figures["forward_backward_ms"] - table[first]["forward_backward_ms"]
         figures["forward_backward_ms_per_unit_vs_first"] = extra_ms / figures["units"] if figures["units"] else None
     print(f"host time per step, one process, {args.steps} interleaved steps (medians past the first {WARMUP_STEPS}); "
-          f"model {', '.join(f'{k}={cfg[k]}' for k in HOST_MODEL if k in cfg)}; ratios vs {first}")
+          f"model {', '.join(f'{k}={cfg[k]}' for k in HOST_MODEL)}; ratios vs {first}")
     width = max(12, *map(len, table))
     print(" | ".join(["backend".ljust(width), "units", "forward+backward ms".rjust(20), "optimizer ms".rjust(20),
                       f"per unit vs {first}, ms".rjust(24)]))

@@ -816,7 +816,7 @@ def test_host_mode_charges_each_backend_its_difference_per_unit(tmp_path):
     out = tmp_path / "host.json"
     one_unit = "custom_fsdp:wrap_policy=model"
     res = launch([sys.executable, REPO / "bench.py", "--host", f"--backends=ddp,custom_fsdp,fsdp,{one_unit}",
-                  "--steps=5", f"--json={out}", "--n_layer=2"], timeout=300)
+                  "--steps=5", f"--json={out}", "--n_layer=2", "--vocab_size=50"], timeout=300)
     assert res.returncode == 0, res.describe()
     result = json.loads(out.read_text())
     rows = result["backends"]
@@ -827,7 +827,7 @@ def test_host_mode_charges_each_backend_its_difference_per_unit(tmp_path):
     for r in list(rows.values())[1:]:
         assert r["forward_backward_ms"] > 0 and r["optimizer_ms"] > 0
         assert r["forward_backward_ms_per_unit_vs_first"] == pytest.approx((r["forward_backward_ms"] - base) / r["units"])
-    assert "per unit vs ddp" in res.stdout and "n_layer=2" in res.stdout
+    assert "per unit vs ddp" in res.stdout and "n_layer=2" in res.stdout and "vocab_size=50" in res.stdout
 
 
 @pytest.mark.parametrize("flags,message", [(["--nproc=2"], "no --nproc, no --repeats"),
