@@ -248,9 +248,16 @@ HOST_SETTINGS = dict(device="cpu", dtype="float32", compile=False, wrap_policy="
 
 
 def host_settings(flags):
-    """HOST_SETTINGS with --key=value `flags` applied (train.py's parsing: a wrong key or type fails in one line)."""
+    """HOST_SETTINGS with --key=value `flags` applied; a wrong key, type or value fails in one line, as in train.py."""
     import configurator
-    return configurator.apply(dict(HOST_SETTINGS), flags)
+    cfg = configurator.apply(dict(HOST_SETTINGS), flags)
+    configurator.check_device(cfg["device"])
+    for key in ("n_layer", "n_head", "n_embd", "block_size", "batch_size", "vocab_size"):
+        if cfg[key] < 1:
+            configurator.fail(f"{key}={cfg[key]} must be at least 1")
+    if cfg["n_embd"] % cfg["n_head"]:
+        configurator.fail(f"n_embd={cfg['n_embd']} is not divisible by n_head={cfg['n_head']}")
+    return cfg
 
 
 def build_for_host(row, extra):
@@ -261,7 +268,11 @@ def build_for_host(row, extra):
 
     name, settings = split_row(row)
     cfg = host_settings(extra + settings)
-    back = backends.make_backend(name, cfg)
+    try:
+        back = backends.make_backend(name, cfg)
+    except backends.BackendError as e:
+        import configurator
+        configurator.fail(f"{row}: {e}")
     conf = GPTConfig(**{k: cfg[k] for k in ("n_layer", "n_head", "n_embd", "block_size", "bias", "vocab_size")})
     with torch.device("meta"):
         model = GPT(conf)
@@ -307,7 +318,8 @@ def bench_host(args, extra):
                       "optimizer_ms": 1e3 * statistics.median(t[1] for t in timed)}
     for row, figures in table.items():
         extra_ms = figures["forward_backward_ms"] - table[first]["forward_backward_ms"]
-        figures["forward_backward_ms_per_unit_vs_first"] = extra_ms / figures["units"] if figures["units"] else None
+        figures["forward_backward_ms_per_unit_vs_first"] = extra_ms / figures["units"] if figures["units"] and \
+            row != first else None
     print(f"host time per step, one process, {args.steps} interleaved steps (medians past the first {WARMUP_STEPS}); "
           f"model {', '.join(f'{k}={cfg[k]}' for k in HOST_MODEL)}; ratios vs {first}")
     width = max(12, *map(len, table))
@@ -409,7 +421,7 @@ def main():
     p.add_argument("--work_dir", default="bench_out")
     p.add_argument("--json", default=None)
     # one world-size-1 GPU has no communication to expose, and a profiled compile run takes a minute
-    p.add_argument("--exposed", type=lambda v: ("false", "true").index(v.lower()) == 1, default=True,
+    p.add_argument("--exposed", type=lambda v: ("false", "true").index(v.lower()) == 1, default=None,
                    help="one extra profiled run per backend for the exposed communication (True/False)")
     args, extra = p.parse_known_args()
     args.backends = args.backends.split(",")
@@ -430,8 +442,14 @@ def main():
         p.error("--sweep, --comm and --host are separate modes: ask for one")
     if args.sweep and args.nproc is not None:
         p.error(f"--nproc={args.nproc}: --sweep runs world sizes 1, 2 and 4")
-    if args.host and (args.nproc is not None or args.repeats is not None):
-        p.error("--host runs every backend in one process, its steps interleaved: no --nproc, no --repeats")
+    if args.host and (args.nproc is not None or args.repeats is not None or args.exposed is not None):
+        p.error("--host runs every backend in one process, its steps interleaved: no --nproc, --repeats or --exposed")
+    for row in args.backends if args.host else ():  # (one input for every row: the model's shape and device are common)
+        shared = [s for s in split_row(row)[1] if s[2:].partition("=")[0] in {*HOST_MODEL, "device"}]
+        if shared:
+            p.error(f"--host: {row} sets {shared[0][2:]} for itself; the model, batch and device are every row's "
+                    "(set them for all, without the colon)")
+    args.exposed = True if args.exposed is None else args.exposed
     args.steps = (100 if args.host else 12) if args.steps is None else args.steps
     args.repeats = 3 if args.repeats is None else args.repeats
     args.nproc = 2 if args.nproc is None else args.nproc

@@ -626,9 +626,11 @@ class ShardedUnit:
             output = self._copy_out(output, adding=any(ps.sharded.grad is not None for ps in params))
         else:
             output = output.to(self.dtype)
+        # each grad one as_strided view, where a slice and a view are two ops (each ~2 us of host time, per
+        # parameter and step); it reads the storage itself, so the flat output must be contiguous, as every caller's is
+        assert output.is_contiguous()
         offset = output.storage_offset()
         for ps in params:
-            # one as_strided where a slice and a view are two ops (each ~2 us of host time, per parameter and step)
             local = output.as_strided(ps.local_shape, ps.stride, offset)
             offset += ps.padded_numel
             if ps.sharded.grad is None:

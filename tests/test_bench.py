@@ -830,9 +830,15 @@ def test_host_mode_charges_each_backend_its_difference_per_unit(tmp_path):
     assert "per unit vs ddp" in res.stdout and "n_layer=2" in res.stdout and "vocab_size=50" in res.stdout
 
 
-@pytest.mark.parametrize("flags,message", [(["--nproc=2"], "no --nproc, no --repeats"),
-                                           (["--sweep"], "separate modes"),
-                                           (["--n_layers=2"], "unknown config key 'n_layers'")])
+@pytest.mark.parametrize("flags,message", [
+    (["--nproc=2"], "no --nproc, --repeats or --exposed"), (["--exposed=False"], "no --nproc, --repeats or --exposed"),
+    (["--sweep"], "separate modes"), (["--n_layers=2"], "unknown config key 'n_layers'"),
+    (["--n_head=3"], "n_embd=32 is not divisible by n_head=3"), (["--device=tpu"], "unknown device 'tpu'"),
+    (["--backends=ddp,custom_fsdp:block_size=8"], "custom_fsdp:block_size=8 sets block_size=8 for itself"),
+    (["--backends=ddp,fsdp:wrap_policy=layer"], "fsdp:wrap_policy=layer: unknown wrap_policy 'layer'")])
 def test_host_mode_refuses_what_it_does_not_take(flags, message):
+    """One line and exit 2: flags of the other modes, bad settings, and a row's own model shape, batch or
+    device (one input serves every row)."""
     res = launch([sys.executable, REPO / "bench.py", "--host", "--backends=ddp", "--steps=3", *flags], timeout=120)
     assert res.returncode == 2 and message in res.stderr, res.describe()
+    assert "Traceback" not in res.stderr
