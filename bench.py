@@ -46,9 +46,11 @@ import subprocess
 import sys
 import time
 
-from backends import BACKENDS
+import backends
+import configurator
 from compare import WARMUP_STEPS
 from fsdp_impl import overlap
+from model import GPT, GPTConfig
 from observe import PROFILE_STEPS
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -64,8 +66,8 @@ HOST_PHASES = ("forward_backward", "clip", "optimizer")  # the phases train.py t
 def split_row(row):
     """'custom_fsdp:prefetch=False' -> ('custom_fsdp', ['--prefetch=False']): a backend and its own settings."""
     backend, *settings = row.split(":")
-    if backend not in BACKENDS:  # (checked before anything runs, not when the row's turn comes)
-        raise ValueError(f"--backends: unknown backend '{backend}' in '{row}' (choose one of {', '.join(BACKENDS)})")
+    if backend not in backends.BACKENDS:  # (checked before anything runs, not when the row's turn comes)
+        raise ValueError(f"--backends: unknown backend '{backend}' in '{row}' (choose one of {', '.join(backends.BACKENDS)})")
     for s in settings:
         if "=" not in s:
             raise ValueError(f"--backends: '{s}' in '{row}' is not key=value")
@@ -249,7 +251,6 @@ HOST_SETTINGS = dict(device="cpu", dtype="float32", compile=False, wrap_policy="
 
 def host_settings(flags):
     """HOST_SETTINGS with --key=value `flags` applied; a wrong key, type or value fails in one line, as in train.py."""
-    import configurator
     cfg = configurator.apply(dict(HOST_SETTINGS), flags)
     configurator.check_device(cfg["device"])
     for key in ("n_layer", "n_head", "n_embd", "block_size", "batch_size", "vocab_size"):
@@ -263,15 +264,12 @@ def host_settings(flags):
 def build_for_host(row, extra):
     """A --host row's backend, model and optimizer, in this process, and its unit count (0 for ddp)."""
     import torch
-    import backends
-    from model import GPT, GPTConfig
 
     name, settings = split_row(row)
     cfg = host_settings(extra + settings)
     try:
         back = backends.make_backend(name, cfg)
     except backends.BackendError as e:
-        import configurator
         configurator.fail(f"{row}: {e}")
     conf = GPTConfig(**{k: cfg[k] for k in ("n_layer", "n_head", "n_embd", "block_size", "bias", "vocab_size")})
     with torch.device("meta"):
@@ -285,7 +283,6 @@ def build_for_host(row, extra):
 def bench_host(args, extra):
     import torch
     import torch.distributed as dist
-    import backends
 
     cfg = host_settings(extra)
     backends.init_distributed("custom_fsdp", "nccl", cfg["device"], 600)  # (a group of one, for the sharded backends)
