@@ -67,7 +67,8 @@ def split_row(row):
     """'custom_fsdp:prefetch=False' -> ('custom_fsdp', ['--prefetch=False']): a backend and its own settings."""
     backend, *settings = row.split(":")
     if backend not in backends.BACKENDS:  # (checked before anything runs, not when the row's turn comes)
-        raise ValueError(f"--backends: unknown backend '{backend}' in '{row}' (choose one of {', '.join(backends.BACKENDS)})")
+        raise ValueError(f"--backends: unknown backend '{backend}' in '{row}' "
+                         f"(choose one of {', '.join(backends.BACKENDS)})")
     for s in settings:
         if "=" not in s:
             raise ValueError(f"--backends: '{s}' in '{row}' is not key=value")
