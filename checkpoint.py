@@ -34,6 +34,7 @@ FORMAT_VERSION = 1
 # what the readers (train.py, sample.py, the export below) take from a manifest, beside the version
 MANIFEST_FIELDS = {"files": dict, "iter_num": int, "best_val_loss": (float, int), "model_args": dict, "config": dict}
 MODEL_ARGS = {"n_layer", "n_head", "n_embd", "block_size", "bias", "vocab_size"}  # the model's shape
+EXPORT = "ckpt.pt"  # the single-file export of the model alone (the __main__ below), which sample.py reads
 NAME = re.compile(r"ckpt-\d{7,}")  # ckpt-<iteration>: what pruning may remove (not a copy named ckpt-0000020-good)
 
 
@@ -168,7 +169,9 @@ def saved_by(out_dir, job):
 def latest_path(out_dir):
     pointer = os.path.join(out_dir, "latest")
     if not os.path.exists(pointer):
-        raise CheckpointError(f"no checkpoint in {out_dir} (no '{pointer}')")
+        export = f"; its {EXPORT} is an export of the model alone, which does not resume" \
+            if os.path.exists(os.path.join(out_dir, EXPORT)) else ""
+        raise CheckpointError(f"no checkpoint in {out_dir} (no '{pointer}'{export})")
     try:
         with open(pointer) as f:
             name = f.read().strip()
@@ -296,14 +299,14 @@ def _load_errors(path):
 if __name__ == "__main__":
     from model import GPT, GPTConfig
     if len(sys.argv) != 2 or sys.argv[1].startswith("-"):  # (-h, --help: not a folder)
-        raise SystemExit("usage: python checkpoint.py OUT_DIR   (writes OUT_DIR/ckpt.pt from its latest checkpoint)")
+        raise SystemExit(f"usage: python checkpoint.py OUT_DIR   (writes OUT_DIR/{EXPORT} from its latest checkpoint)")
     try:
         ckpt, manifest = load_manifest(sys.argv[1])
         gpt = GPT(GPTConfig(**manifest["model_args"]))
         load_model_only(ckpt, gpt)
     except CheckpointError as e:
         raise SystemExit(f"error: {e}")
-    out = os.path.join(sys.argv[1], "ckpt.pt")
+    out = os.path.join(sys.argv[1], EXPORT)
     torch.save({"model": gpt.state_dict(), "model_args": manifest["model_args"],
                 "iter_num": manifest["iter_num"], "best_val_loss": manifest["best_val_loss"],
                 "config": manifest["config"], "saved_at": manifest.get("saved_at")}, out)

@@ -322,6 +322,25 @@ def test_a_new_run_refuses_an_out_dir_with_checkpoints(args, saved, tmp_path, po
     assert {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
 
 
+def test_a_folder_holding_only_an_export_refuses_a_new_run_and_says_the_export_does_not_resume(args, saved, tmp_path):
+    """A model exported with `python checkpoint.py OUT_DIR`, its checkpoint directories removed: a new
+    run there would start the export's metrics.jsonl afresh; a resume cannot read an export."""
+    out = tmp_path / "exported"
+    subprocess.run(["cp", "-r", str(saved), str(out)], check=True)
+    res = launch([sys.executable, REPO / "checkpoint.py", out], timeout=120)
+    assert res.returncode == 0, res.describe()
+    (out / "latest").unlink()
+    for directory in out.glob("ckpt-*"):
+        shutil.rmtree(directory)
+    before = {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    assert Path("ckpt.pt") in before and Path("metrics.jsonl") in before
+    line = one_error_line(run_train(out, 1, *args, "--dist_backend=custom_fsdp", "--max_iters=2"))
+    assert f"{out} holds another run's exported model (ckpt.pt)" in line, line
+    line = one_error_line(run_train(out, 1, *args, "--dist_backend=custom_fsdp", "--init_from=resume"))
+    assert "its ckpt.pt is an export of the model alone, which does not resume" in line, line
+    assert {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+
+
 @pytest.mark.parametrize("job_id", [True, False], ids=["standalone", "id_none"])
 def test_a_restarted_new_run_still_refuses_another_runs_checkpoints(args, saved, tmp_path, job_id):
     """torchrun --max_restarts restarts a new run that was refused: the restart must not take the
