@@ -324,7 +324,7 @@ def test_a_new_run_refuses_an_out_dir_with_checkpoints(args, saved, tmp_path, po
 
 def test_a_folder_holding_only_an_export_refuses_a_new_run_and_says_the_export_does_not_resume(args, saved, tmp_path):
     """A model exported with `python checkpoint.py OUT_DIR`, its checkpoint directories removed: a new
-    run there would start the export's metrics.jsonl afresh; a resume cannot read an export."""
+    run there would mix its checkpoints and metrics.jsonl with the export's run; a resume cannot read an export."""
     out = tmp_path / "exported"
     subprocess.run(["cp", "-r", str(saved), str(out)], check=True)
     res = launch([sys.executable, REPO / "checkpoint.py", out], timeout=120)
