@@ -243,12 +243,13 @@ if init_from != "resume" and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)
     init_from = "resume"
     if master:
         print(f"restart {os.environ['TORCHELASTIC_RESTART_COUNT']}: resuming from the last checkpoint")
-if init_from != "resume" and not eval_only and checkpoint.holds_checkpoints(out_dir):
-    fail(f"{out_dir} holds another run's checkpoints, which a new run there would replace (and start its "
-         "metrics.jsonl afresh): continue it with --init_from=resume, or choose another out_dir")
-if init_from != "resume" and not eval_only and os.path.exists(os.path.join(out_dir, checkpoint.EXPORT)):
-    fail(f"{out_dir} holds another run's exported model ({checkpoint.EXPORT}): a new run there would mix its "
-         "checkpoints and metrics with that run's; choose another out_dir")
+if init_from != "resume" and not eval_only:  # a new run: out_dir must not hold another run's
+    if checkpoint.holds_checkpoints(out_dir):
+        fail(f"{out_dir} holds another run's checkpoints, which a new run there would replace (and start its "
+             "metrics.jsonl afresh): continue it with --init_from=resume, or choose another out_dir")
+    if os.path.exists(os.path.join(out_dir, checkpoint.EXPORT)):
+        fail(f"{out_dir} holds another run's exported model ({checkpoint.EXPORT}): a new run there would mix its "
+             "checkpoints and metrics with that run's; choose another out_dir")
 data_vocab = 50257  # the data's token ids are below this: GPT-2's BPE, unless meta.pkl says otherwise
 if os.path.exists(os.path.join(data_dir, "meta.pkl")):
     import pickle
