@@ -20,7 +20,8 @@ Per backend it also prints the training thread's CPU time per step in forward an
 clipping and the optimizer step (train.py's host_ms): on a GPU, the host's own work but backward's
 (autograd runs it on a thread of its own for the device); and rank 0's
 process CPU time per step, every thread's (train.py's cpu_ms): on a CPU machine whose cores are
-all busy, the step time follows it. The table is also written as JSON (--json; by default
+all busy, the step time follows it; on a GPU it does too, as the host spins while it waits for the
+device (ninth GPU round). The table is also written as JSON (--json; by default
 bench_out/bench.json, or sweep.json / comm.json for --sweep / --comm). A backend may carry its
 own train.py settings after colons (`fsdp:reshard_after_forward=False`); they apply to that row
 only, on top of the command's. A config file replaces bench's default model (4 x 256, batch
