@@ -106,6 +106,15 @@ def _cpp_compiler_found():
         return False
 
 
+def compile_per_block(model):
+    """Compile each block's forward, and the output layer with the loss, as graphs of their own: the FSDP
+    backends' compile with a unit per block (their hooks run between the graphs), and DDP's with
+    compile_per_block=True, a baseline compiled alike."""
+    for b in model.transformer.h:
+        b.forward = torch.compile(b.forward)
+    model.logits_and_loss = torch.compile(model.logits_and_loss)
+
+
 def grad_norm(grads):
     """The 2-norm of all `grads` together. On the CPU, row by row and then over the rows: torch's norm
     of a whole CPU tensor runs on one thread and sums it in one float32 run. For a 1.3B model's
@@ -217,7 +226,9 @@ class DDPBackend(Backend):
             for m, name in others:
                 m._parameters[name] = first._parameters[first_name]
         materialize(model)
-        if self.cfg["compile"]:
+        if self.cfg["compile"] and self.cfg["compile_per_block"]:
+            compile_per_block(model)
+        elif self.cfg["compile"]:
             model.compile()
         if self.world_size > 1:
             from torch.nn.parallel import DistributedDataParallel as DDP
@@ -286,6 +297,9 @@ class FSDPBackend(Backend):
         super().__init__(cfg)
         if self.dtype == torch.float16:
             raise BackendError("dtype=float16 needs loss scaling, which the sharded backends do not do: use bfloat16")
+        if cfg["compile_per_block"]:
+            raise BackendError("compile_per_block applies to ddp: the sharded backends compile by their units "
+                               "(per block, or the whole forward with wrap_policy='model')")
         replicas = cfg["replicate_degree"]
         if replicas < 1:
             raise BackendError(f"replicate_degree={replicas} must be at least 1 (1: no replication)")
@@ -331,9 +345,7 @@ class FSDPBackend(Backend):
             # forward and the output layer with the loss; with one unit, the whole forward is
             # one graph (its hooks run before and after it)
             if groups:
-                for b in blocks:
-                    b.forward = torch.compile(b.forward)
-                model.logits_and_loss = torch.compile(model.logits_and_loss)
+                compile_per_block(model)
             else:
                 model.forward = torch.compile(model.forward)
         kwargs = dict(mesh=self.mesh, reshard_after_forward=self.cfg["reshard_after_forward"],

@@ -35,7 +35,8 @@ compute is negligible (12 blocks 32 wide, batch 1 x 16: HOST_MODEL), so a step i
 the difference against the first backend, divided by a backend's units, is what each unit costs
 (on a GPU each step waits for the device, and the host time includes backward's thread). With
 --compile=True DDP compiles the model whole and the FSDP backends block by block, so against DDP
-that difference also holds per-block compile's own cost.
+that difference also holds per-block compile's own cost; a first row `ddp:compile_per_block=True`,
+the plain model compiled block by block as they are, leaves it out.
 """
 import argparse
 import json
@@ -248,7 +249,7 @@ def sweep(args, extra):
 HOST_MODEL = dict(n_layer=12, n_head=2, n_embd=32, block_size=16, batch_size=1, bias=False, vocab_size=65)
 HOST_SETTINGS = dict(device="cpu", dtype="float32", compile=False, wrap_policy="block", min_wrap_params=1_000_000,
                      reshard_after_forward=True, prefetch=True, shared_memory=True, cpu_offload=False,
-                     replicate_degree=1, **HOST_MODEL)
+                     replicate_degree=1, compile_per_block=False, **HOST_MODEL)
 
 
 def host_settings(flags):

@@ -85,6 +85,7 @@ max_skipped_steps = 10  # on_nonfinite='skip': stop after more steps than this s
 device = "cuda" if torch.cuda.is_available() else "cpu"  # 'cpu', 'cuda', 'cuda:0', ...
 dtype = "bfloat16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "float32"
 compile = False
+compile_per_block = False  # ddp: each block and the loss a graph of its own, as the sharded backends compile
 malloc_trim = False  # CPU: return glibc's freed heap pages to the OS after every step (less RSS, slower)
 malloc_mmap_threshold_mb = 32  # CPU: buffers below this from glibc's heap, kept between steps (0: glibc's own; see backends.py)
 # observability (see observe.py)

@@ -31,7 +31,7 @@ MICRO_STEPS = 3
 N_LAYER = 2
 CFG = dict(device="cpu", dtype="float32", compile=False, cpu_offload=False, replicate_degree=1,
            wrap_policy="block", min_wrap_params=1_000_000, reshard_after_forward=True, prefetch=True,
-           shared_memory=True)
+           shared_memory=True, compile_per_block=False)
 
 
 def allreduce_hook(state, bucket):

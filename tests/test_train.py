@@ -341,7 +341,8 @@ with torch.device("meta"):
 # ('size': two blocks' parameters fill a unit, so the third is a smaller unit of its own)
 cfg = dict(device="cpu", dtype="float32", cpu_offload=False, replicate_degree=1, wrap_policy=sys.argv[1],
            min_wrap_params=2 * sum(p.numel() for p in gpt.transformer.h[0].parameters()),
-           reshard_after_forward=True, prefetch=True, shared_memory=True, compile=True)
+           reshard_after_forward=True, prefetch=True, shared_memory=True, compile=True,
+           compile_per_block=False)
 model = make_backend("custom_fsdp", cfg).wrap(gpt, lambda m: m.init_weights(0))
 compiled = lambda f: hasattr(f, "_torchdynamo_orig_callable")
 # each block's unit, numbered in block order (None: no unit of its own, its parameters are the root's)
@@ -363,6 +364,35 @@ def test_compile_graphs_follow_the_units(wrap_policy, expected):
     assert res.stdout.strip().splitlines()[-1] == expected
 
 
+DDP_GRAPHS_AND_LOSS = """
+import sys
+import torch
+from backends import make_backend
+from model import GPT, GPTConfig
+def built(per_block):
+    with torch.device("meta"):
+        gpt = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=64, dropout=0.0, bias=False))
+    cfg = dict(device="cpu", dtype="float32", cpu_offload=False, replicate_degree=1, wrap_policy="block",
+               min_wrap_params=1, reshard_after_forward=True, prefetch=True, shared_memory=True, compile=True,
+               compile_per_block=per_block)
+    return make_backend("ddp", cfg).wrap(gpt, lambda m: m.init_weights(0))
+model, whole = built(True), built(False)
+compiled = lambda f: hasattr(f, "_torchdynamo_orig_callable")
+x = torch.randint(64, (2, 16), generator=torch.Generator().manual_seed(0))
+(_, loss), (_, whole_loss) = model(x, x), whole(x, x)
+print(model._compiled_call_impl is not None, [compiled(b.forward) for b in model.transformer.h],
+      compiled(model.logits_and_loss), whole._compiled_call_impl is not None, abs(loss.item() - whole_loss.item()) < 1e-5)
+"""
+
+
+def test_ddp_compiles_per_block_when_asked():
+    """compile_per_block=True: DDP's blocks and its output layer with the loss compile one by one, as the
+    sharded backends' with a unit per block, not the whole model; the loss is the whole graph's."""
+    res = launch([sys.executable, "-c", DDP_GRAPHS_AND_LOSS], timeout=300)
+    assert res.returncode == 0, res.describe()
+    assert res.stdout.strip().splitlines()[-1] == "False [True, True] True True True"
+
+
 # the start of a script run with a backend's name: that backend's 2-block GPT and AdamW, built as
 # train.py builds them (`back`, `model`, `opt`)
 BACKEND_GPT = """
@@ -374,7 +404,8 @@ from backends import init_distributed, make_backend
 from model import GPT, GPTConfig
 init_distributed(sys.argv[1], "gloo", "cpu", 60)
 cfg = dict(device="cpu", dtype="float32", cpu_offload=False, replicate_degree=1, wrap_policy="block",
-           min_wrap_params=1, reshard_after_forward=True, prefetch=True, shared_memory=True, compile=False)
+           min_wrap_params=1, reshard_after_forward=True, prefetch=True, shared_memory=True, compile=False,
+           compile_per_block=False)
 back = make_backend(sys.argv[1], cfg)
 with torch.device("meta"):
     gpt = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=64, dropout=0.0, bias=False))
@@ -391,7 +422,8 @@ init_distributed("custom_fsdp", "gloo", "cpu", 60)
 x = torch.randint(0, 64, (2, 16))
 for prefetch in (False, True):
     cfg = dict(device="cpu", dtype="float32", cpu_offload=False, replicate_degree=1, wrap_policy="block",
-               min_wrap_params=1, reshard_after_forward=True, prefetch=prefetch, shared_memory=True, compile=False)
+               min_wrap_params=1, reshard_after_forward=True, prefetch=prefetch, shared_memory=True, compile=False,
+               compile_per_block=False)
     with torch.device("meta"):
         gpt = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=64, dropout=0.0, bias=False))
     model = make_backend("custom_fsdp", cfg).wrap(gpt, lambda m: m.init_weights(0))
@@ -845,7 +877,8 @@ from backends import init_distributed, make_backend
 init_distributed("ddp", "gloo", "cpu", 60)
 for dtype in ("float32", "bfloat16", "float16"):
     cfg = dict(device="cpu", dtype=dtype, cpu_offload=False, replicate_degree=1, wrap_policy="block",
-               min_wrap_params=1, reshard_after_forward=True, prefetch=True, shared_memory=True, compile=False)
+               min_wrap_params=1, reshard_after_forward=True, prefetch=True, shared_memory=True, compile=False,
+           compile_per_block=False)
     with make_backend("ddp", cfg).autocast():
         print(dtype, (torch.ones(2, 2) @ torch.ones(2, 2)).dtype)
 """
