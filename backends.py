@@ -148,6 +148,8 @@ class Backend:
         self.world_size = dist.get_world_size() if dist.is_initialized() else 1
         if cfg["cpu_offload"] and self.device.type != "cuda":
             raise BackendError("cpu_offload needs a CUDA device: on CPU the parameters already live in CPU memory")
+        if cfg["compile_per_block"] and not cfg["compile"]:
+            raise BackendError("compile_per_block=True needs compile=True")
         if cfg["compile"] and self.device.type == "cpu" and not _cpp_compiler_found():
             raise BackendError("compile=True on CPU needs a C++ compiler (torch.compile builds its CPU kernels with "
                                "g++, or the one $CXX names): install one, or set --compile=False")
@@ -294,12 +296,12 @@ class FSDPBackend(Backend):
     optimizer_class = AdamWOnLocalShards
 
     def __init__(self, name, cfg):
-        super().__init__(cfg)
-        if self.dtype == torch.float16:
-            raise BackendError("dtype=float16 needs loss scaling, which the sharded backends do not do: use bfloat16")
         if cfg["compile_per_block"]:
             raise BackendError("compile_per_block applies to ddp: the sharded backends compile by their units "
                                "(per block, or the whole forward with wrap_policy='model')")
+        super().__init__(cfg)
+        if self.dtype == torch.float16:
+            raise BackendError("dtype=float16 needs loss scaling, which the sharded backends do not do: use bfloat16")
         replicas = cfg["replicate_degree"]
         if replicas < 1:
             raise BackendError(f"replicate_degree={replicas} must be at least 1 (1: no replication)")

@@ -414,6 +414,7 @@ def test_pruning_keeps_the_checkpoints_saved_last(tmp_path):
     (["--dist_timeout_s=0"], "dist_timeout_s=0 must be at least 1"),
     (["--n_embd=0"], "n_embd=0 must be at least 1"),  # (0 divides by any n_head: it failed in the model)
     (["--dist_backend=custom_fsdp", "--replicate_degree=-2"], "replicate_degree=-2 must be at least 1"),
+    (["--compile_per_block=True"], "compile_per_block=True needs compile=True"),
     (["--dist_backend=fsdp", "--compile_per_block=True"], "compile_per_block applies to ddp"),
     (["--out_dir={tmp}/a_file"], "out_dir {tmp}/a_file is a file, not a directory"),  # (it said "not writable")
     (["--backend=custom_fsdp"], "unknown backend 'custom_fsdp' (the process group's: nccl or gloo: "
@@ -421,8 +422,8 @@ def test_pruning_keeps_the_checkpoints_saved_last(tmp_path):
     ids=["accumulation", "eval_interval", "heads", "cuda", "decay_before_warmup_ends", "min_lr_above_peak",
          "eval_only_without_batches", "negative_seed", "seed_past_64_bits", "empty_out_dir", "mmap_threshold_above_32",
          "block_longer_than_the_data", "unknown_device", "negative_grad_clip", "dropout_of_one", "beta_above_one",
-         "no_timeout", "no_width", "no_replicas", "compile_per_block_sharded", "out_dir_a_file",
-         "process_group_backend"])
+         "no_timeout", "no_width", "no_replicas", "compile_per_block_alone", "compile_per_block_sharded",
+         "out_dir_a_file", "process_group_backend"])
 def test_impossible_settings_are_refused(args, tmp_path, setting, named):
     if "cuda" in setting[0] and __import__("torch").cuda.is_available():
         pytest.skip("this machine has CUDA")

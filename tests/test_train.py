@@ -365,7 +365,6 @@ def test_compile_graphs_follow_the_units(wrap_policy, expected):
 
 
 DDP_GRAPHS_AND_LOSS = """
-import sys
 import torch
 from backends import make_backend
 from model import GPT, GPTConfig
