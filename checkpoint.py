@@ -166,11 +166,15 @@ def saved_by(out_dir, job):
     return any(_stored_manifest(out_dir, name).get("job") == job for name in _by_save_time(out_dir))
 
 
+def export_path(out_dir):
+    return os.path.join(out_dir, EXPORT)
+
+
 def latest_path(out_dir):
     pointer = os.path.join(out_dir, "latest")
     if not os.path.exists(pointer):
         export = f"; its {EXPORT} is an export of the model alone, which does not resume" \
-            if os.path.exists(os.path.join(out_dir, EXPORT)) else ""
+            if os.path.exists(export_path(out_dir)) else ""
         raise CheckpointError(f"no checkpoint in {out_dir} (no '{pointer}'{export})")
     try:
         with open(pointer) as f:
@@ -306,7 +310,7 @@ if __name__ == "__main__":
         load_model_only(ckpt, gpt)
     except CheckpointError as e:
         raise SystemExit(f"error: {e}")
-    out = os.path.join(sys.argv[1], EXPORT)
+    out = export_path(sys.argv[1])
     torch.save({"model": gpt.state_dict(), "model_args": manifest["model_args"],
                 "iter_num": manifest["iter_num"], "best_val_loss": manifest["best_val_loss"],
                 "config": manifest["config"], "saved_at": manifest.get("saved_at")}, out)

@@ -32,7 +32,7 @@ def saved_no_earlier(exported, manifest):
 def load_newest(out_dir):
     """(model, training config) from the newer of out_dir/ckpt.pt and the latest checkpoint
     directory: an export goes stale once training continues, so neither simply wins."""
-    ckpt_pt = os.path.join(out_dir, checkpoint.EXPORT)
+    ckpt_pt = checkpoint.export_path(out_dir)
     has_latest = os.path.exists(os.path.join(out_dir, "latest"))
     exported = None
     if os.path.exists(ckpt_pt):

@@ -248,7 +248,7 @@ if init_from != "resume" and not eval_only:  # a new run: out_dir must not hold 
     if checkpoint.holds_checkpoints(out_dir):
         fail(f"{out_dir} holds another run's checkpoints, which a new run there would replace (and start its "
              "metrics.jsonl afresh): continue it with --init_from=resume, or choose another out_dir")
-    if os.path.exists(os.path.join(out_dir, checkpoint.EXPORT)):
+    if os.path.exists(checkpoint.export_path(out_dir)):
         fail(f"{out_dir} holds another run's exported model ({checkpoint.EXPORT}): a new run there would mix its "
              "checkpoints and metrics with that run's; choose another out_dir")
 data_vocab = 50257  # the data's token ids are below this: GPT-2's BPE, unless meta.pkl says otherwise
