@@ -37,7 +37,6 @@ flight) -> UNSHARDED -> SHARDED. Where the unit is in a step (`training_state`):
 post-backward) -> idle.
 """
 import math
-from contextlib import nullcontext
 
 import torch
 import torch.nn as nn
@@ -65,7 +64,7 @@ def reshard_after_forward_flag(value, world):
 def on_stream(stream):
     """Run what follows on `stream` (a CUDA stream), or where it would have run (None). (torch.cuda.stream(None)
     is a no-op too, but costs 8 us a call against 1, on every unit's gather of the host-bound GPU steps.)"""
-    return torch.cuda.stream(stream) if stream is not None else nullcontext()
+    return torch.cuda.stream(stream) if stream is not None else comm.NOTHING
 
 
 def dtensor_around(local, mesh, placements, shape, stride):
@@ -95,9 +94,6 @@ class ParamShard:
         self.accumulated_grad = None  # reduce_dtype grad kept while gradient sync is off
         self.requires_grad = param.requires_grad  # as last seen on both parameter objects
 
-    def register(self, param):
-        for module, name in self.registrations:
-            module._parameters[name] = param  # bypasses nn.Module.__setattr__'s checks, on purpose (and its cost)
 
     def rows_of(self, full, rank):
         """Rank `rank`'s rows of `full`, a flat tensor of this parameter's (unpadded) shape: fewer than
@@ -196,7 +192,7 @@ class ShardedUnit:
                 rows = p.detach().reshape(ps.shape[0], -1)[ps.first_row:ps.first_row + ps.local_shape[0]]
                 self._local_view(ps).view(-1, max(ps.row_numel, 1)).copy_(rows)
             ps.sharded = nn.Parameter(self._as_dtensor(self._local_view(ps), ps), requires_grad=p.requires_grad)
-            ps.register(ps.sharded)
+        self._register(unsharded=False)
 
     def _move_buffers(self):
         """Buffers (masks, running statistics) go where forward runs, as FSDP2 moves them; meta ones
@@ -278,6 +274,7 @@ class ShardedUnit:
         """After load_state_dict(assign=True), or a parameter assigned before the first forward, the
         modules hold new parameter objects, which an optimizer built afterwards will update: make
         those ours, viewing a flat shard."""
+        adopted = False
         for ps in self.params:
             module, name = ps.registrations[0]
             loaded = module._parameters[name]
@@ -288,7 +285,9 @@ class ShardedUnit:
                                  f"must be a DTensor of shape {tuple(ps.shape)} placed {self.placements} (as in "
                                  "a sharded state dict)")
             ps.sharded = loaded
-            ps.register(loaded)  # the other registrations of a tied parameter
+            adopted = True
+        if adopted:
+            self._register(unsharded=False)  # the other registrations of a tied parameter
         self._adopt_materialized_params()
 
     # ---- all-gather ----------------------------------------------------------------------
@@ -303,7 +302,9 @@ class ShardedUnit:
         if copy_in is not None:
             # the memory it fills was last read by kernels queued on the compute stream
             copy_in.wait_stream(torch.cuda.current_stream())
-        with profiled(f"fsdp::all_gather {self.name}"), torch.no_grad(), on_stream(copy_in):
+        # (no torch.no_grad(): nothing here requires grad, neither the flat shard nor flat_full, so
+        # nothing records a graph; it would cost 2-3 us per call, twice per unit and step)
+        with profiled(f"fsdp::all_gather {self.name}"), on_stream(copy_in):
             ledger.log("all_gather", self.name)
             shard = self.flat_shard
             if self.world > 1 and (shard.dtype != self.param_dtype or shard.device != self.compute_device):
@@ -337,7 +338,7 @@ class ShardedUnit:
 
     def _finish_gather(self):
         work, output, _, copied_in = self._gather
-        with profiled(f"fsdp::all_gather_wait {self.name}"), torch.no_grad():
+        with profiled(f"fsdp::all_gather_wait {self.name}"):  # (no graph to keep from, as in unshard)
             work.wait()  # (if it raises, the gather stays pending: a later wait raises the same error)
             if copied_in is not None:
                 torch.cuda.current_stream().wait_event(copied_in)
@@ -349,9 +350,17 @@ class ShardedUnit:
                     torch.split_with_sizes_copy(output.view(self.world, self.shard_numel), self._padded_numels,
                                                 dim=1, out=self._full_slots)
                 self.schedule.buffers.give(output)
-        for ps in self.params:
-            ps.register(ps.unsharded)
+        self._register(unsharded=True)
         self.state = UNSHARDED
+
+    def _register(self, unsharded):
+        """Put the unsharded parameters, or the sharded ones, where the modules look them up (every
+        registration of a tied one). Into `_parameters` directly: nn.Module.__setattr__'s checks
+        cost more than the rest of a unit's swap."""
+        for ps in self.params:
+            param = ps.unsharded if unsharded else ps.sharded
+            for module, name in ps.registrations:
+                module._parameters[name] = param
 
     def reshard(self):
         """Free the unsharded parameters; the module holds its sharded DTensors again."""
@@ -360,8 +369,7 @@ class ShardedUnit:
         if self.state != UNSHARDED:
             return
         self._sync_requires_grad()  # a freeze of the unsharded parameters outlives them
-        for ps in self.params:
-            ps.register(ps.sharded)
+        self._register(unsharded=False)
         self.schedule.buffers.drain(self.flat_full, self._full_memory)
         self._full_memory = None
         ledger.log("free", self.name)
@@ -458,13 +466,16 @@ class ShardedUnit:
         comm.end_range(self._phase_range)
         self._phase_range = None
 
-    @torch.no_grad()
     def post_backward(self):
         """A forward's backward is over (its inputs' grads are computed: api.py's gate), or the whole
-        backward is (the end-of-backward callback): reduce-scatter the grads (or keep accumulating
-        them), then reshard."""
-        if not self.needs_post_backward and not (self.requires_grad_sync and self.holds_unreduced_grads):
-            return
+        backward is (the end-of-backward callback, which calls every unit): reduce-scatter the grads
+        (or keep accumulating them), then reshard. (The check outside the no_grad below: for most
+        units the callback's call finds nothing to do.)"""
+        if self.needs_post_backward or (self.requires_grad_sync and self.holds_unreduced_grads):
+            self._reduce_grads()
+
+    @torch.no_grad()
+    def _reduce_grads(self):
         self.needs_post_backward = False
         ledger.log("backward_end", self.name)
         self._end_phase_range()
