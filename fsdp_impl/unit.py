@@ -94,7 +94,6 @@ class ParamShard:
         self.accumulated_grad = None  # reduce_dtype grad kept while gradient sync is off
         self.requires_grad = param.requires_grad  # as last seen on both parameter objects
 
-
     def rows_of(self, full, rank):
         """Rank `rank`'s rows of `full`, a flat tensor of this parameter's (unpadded) shape: fewer than
         a padded piece's, or none, for the last ranks when the rows do not divide evenly."""
