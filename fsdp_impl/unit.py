@@ -527,20 +527,18 @@ class ShardedUnit:
                 rs_input = self.schedule.buffers.take(self.world * numel, self.reduce_dtype)
                 torch._chunk_cat(grads, dim=0, num_chunks=self.world, out=rs_input.view(self.world, -1))
             grads.clear()  # the unsharded gradients are freed here
-            if self.world == 1 and self.replicate_group is None:
-                # nothing to reduce, here or across replicas: the sharded grads now (offloaded, the
-                # copy to the CPU queued right behind the cast), with no handle to wait for later
-                # (its bookkeeping cost host time per unit and step, on a host-bound GPU step)
-                ledger.count("reduce_scatter", rs_input.numel() * rs_input.element_size())
-                self._accumulate_grads(rs_input, params)
-                ledger.log("reduce_scatter_wait", self.name)
-                return
             # the output, which outlives the step as the sharded grads, only now (FSDP2's order too):
             # allocated before, it was one shard more at the peak, beside the unsharded grads
             rs_output = rs_input.new_empty(numel) if self.world > 1 else rs_input
             work = comm.reduce_scatter(rs_output, rs_input, self.shard_group)
             self._reduction = (work, rs_input, rs_output, params)
-            self.schedule.pending_reductions.append(self)
+            if self.world == 1 and self.replicate_group is None:
+                # nothing to reduce, here or across replicas, so nothing to wait for: the sharded grads
+                # now (offloaded, the copy to the CPU queued right behind the cast), not a unit later
+                # through the queue, whose bookkeeping costs host time per unit on a host-bound GPU step
+                self.finish_reduction()
+            else:
+                self.schedule.pending_reductions.append(self)
 
     def _reduce_scatter_pair(self, params, grads, numel):
         """Two ranks on gloo: each gradient's rows go straight to their rank, with no _chunk_cat into a

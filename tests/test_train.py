@@ -877,7 +877,7 @@ init_distributed("ddp", "gloo", "cpu", 60)
 for dtype in ("float32", "bfloat16", "float16"):
     cfg = dict(device="cpu", dtype=dtype, cpu_offload=False, replicate_degree=1, wrap_policy="block",
                min_wrap_params=1, reshard_after_forward=True, prefetch=True, shared_memory=True, compile=False,
-           compile_per_block=False)
+               compile_per_block=False)
     with make_backend("ddp", cfg).autocast():
         print(dtype, (torch.ones(2, 2) @ torch.ones(2, 2)).dtype)
 """
