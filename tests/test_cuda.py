@@ -50,13 +50,13 @@ def test_offloaded_copies_run_beside_the_compute_stream(worker):
 
 
 @pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
+def data_dir(request):
     """The character-level data: where data/shakespeare_char/prepare.py writes it by default, or
     prepared here from the shared copy of the text."""
     here = REPO / "data" / "shakespeare_char"
     if (here / "train.bin").exists():
         return here
-    return tmp_path_factory.getfixturevalue("char_data")
+    return request.getfixturevalue("char_data")
 
 
 def train_cuda(out, *args):
