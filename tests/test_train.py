@@ -330,7 +330,15 @@ def test_compile_matches_eager(runs_a, tiny_args, tmp_path, wrap_policy):
     assert_close(losses(out), only(losses(runs_a["custom_fsdp"]), range(3)), 1e-4, "compiled vs eager")
 
 
-WRAP_AND_REPORT_GRAPHS = """
+# a script's start: the backend settings train.py passes make_backend, for a small CPU model;
+# each script changes what it varies (dict(SETTINGS, compile=True))
+SETTINGS = """
+SETTINGS = dict(device="cpu", dtype="float32", compile=False, cpu_offload=False, replicate_degree=1,
+                wrap_policy="block", min_wrap_params=1, reshard_after_forward=True, prefetch=True,
+                shared_memory=True, compile_per_block=False)
+"""
+
+WRAP_AND_REPORT_GRAPHS = SETTINGS + """
 import sys
 import torch
 from backends import init_distributed, make_backend
@@ -339,10 +347,8 @@ init_distributed("custom_fsdp", "gloo", "cpu", 60)
 with torch.device("meta"):
     gpt = GPT(GPTConfig(n_layer=3, n_head=2, n_embd=32, block_size=16, vocab_size=64, dropout=0.0, bias=False))
 # ('size': two blocks' parameters fill a unit, so the third is a smaller unit of its own)
-cfg = dict(device="cpu", dtype="float32", cpu_offload=False, replicate_degree=1, wrap_policy=sys.argv[1],
-           min_wrap_params=2 * sum(p.numel() for p in gpt.transformer.h[0].parameters()),
-           reshard_after_forward=True, prefetch=True, shared_memory=True, compile=True,
-           compile_per_block=False)
+cfg = dict(SETTINGS, wrap_policy=sys.argv[1], compile=True,
+           min_wrap_params=2 * sum(p.numel() for p in gpt.transformer.h[0].parameters()))
 model = make_backend("custom_fsdp", cfg).wrap(gpt, lambda m: m.init_weights(0))
 compiled = lambda f: hasattr(f, "_torchdynamo_orig_callable")
 # each block's unit, numbered in block order (None: no unit of its own, its parameters are the root's)
@@ -364,17 +370,14 @@ def test_compile_graphs_follow_the_units(wrap_policy, expected):
     assert res.stdout.strip().splitlines()[-1] == expected
 
 
-DDP_GRAPHS_AND_LOSS = """
+DDP_GRAPHS_AND_LOSS = SETTINGS + """
 import torch
 from backends import make_backend
 from model import GPT, GPTConfig
 def built(per_block):
     with torch.device("meta"):
         gpt = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=64, dropout=0.0, bias=False))
-    cfg = dict(device="cpu", dtype="float32", cpu_offload=False, replicate_degree=1, wrap_policy="block",
-               min_wrap_params=1, reshard_after_forward=True, prefetch=True, shared_memory=True, compile=True,
-               compile_per_block=per_block)
-    return make_backend("ddp", cfg).wrap(gpt, lambda m: m.init_weights(0))
+    return make_backend("ddp", dict(SETTINGS, compile=True, compile_per_block=per_block)).wrap(gpt, lambda m: m.init_weights(0))
 model, whole = built(True), built(False)
 compiled = lambda f: hasattr(f, "_torchdynamo_orig_callable")
 x = torch.randint(64, (2, 16), generator=torch.Generator().manual_seed(0))
@@ -394,7 +397,7 @@ def test_ddp_compiles_per_block_when_asked():
 
 # the start of a script run with a backend's name: that backend's 2-block GPT and AdamW, built as
 # train.py builds them (`back`, `model`, `opt`)
-BACKEND_GPT = """
+BACKEND_GPT = SETTINGS + """
 import os
 import sys
 import torch
@@ -402,17 +405,14 @@ import torch.distributed as dist
 from backends import init_distributed, make_backend
 from model import GPT, GPTConfig
 init_distributed(sys.argv[1], "gloo", "cpu", 60)
-cfg = dict(device="cpu", dtype="float32", cpu_offload=False, replicate_degree=1, wrap_policy="block",
-           min_wrap_params=1, reshard_after_forward=True, prefetch=True, shared_memory=True, compile=False,
-           compile_per_block=False)
-back = make_backend(sys.argv[1], cfg)
+back = make_backend(sys.argv[1], SETTINGS)
 with torch.device("meta"):
     gpt = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=64, dropout=0.0, bias=False))
 model = back.wrap(gpt, lambda m: m.init_weights(0))
 opt = back.unwrap(model).configure_optimizers(0.1, 1e-3, (0.9, 0.95), back.optimizer_class)
 """
 
-PREFETCH_ORDER = """
+PREFETCH_ORDER = SETTINGS + """
 import torch
 from backends import init_distributed, make_backend
 from fsdp_impl.comm import ledger
@@ -420,9 +420,7 @@ from model import GPT, GPTConfig
 init_distributed("custom_fsdp", "gloo", "cpu", 60)
 x = torch.randint(0, 64, (2, 16))
 for prefetch in (False, True):
-    cfg = dict(device="cpu", dtype="float32", cpu_offload=False, replicate_degree=1, wrap_policy="block",
-               min_wrap_params=1, reshard_after_forward=True, prefetch=prefetch, shared_memory=True, compile=False,
-               compile_per_block=False)
+    cfg = dict(SETTINGS, prefetch=prefetch)
     with torch.device("meta"):
         gpt = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=64, dropout=0.0, bias=False))
     model = make_backend("custom_fsdp", cfg).wrap(gpt, lambda m: m.init_weights(0))
@@ -870,15 +868,12 @@ def test_activation_checkpointing_runs_each_block_again_in_backward():
         model.Block.forward = forward
 
 
-DDP_AUTOCAST = """
+DDP_AUTOCAST = SETTINGS + """
 import torch
 from backends import init_distributed, make_backend
 init_distributed("ddp", "gloo", "cpu", 60)
 for dtype in ("float32", "bfloat16", "float16"):
-    cfg = dict(device="cpu", dtype=dtype, cpu_offload=False, replicate_degree=1, wrap_policy="block",
-               min_wrap_params=1, reshard_after_forward=True, prefetch=True, shared_memory=True, compile=False,
-               compile_per_block=False)
-    with make_backend("ddp", cfg).autocast():
+    with make_backend("ddp", dict(SETTINGS, dtype=dtype)).autocast():
         print(dtype, (torch.ones(2, 2) @ torch.ones(2, 2)).dtype)
 """
 
