@@ -377,7 +377,8 @@ from model import GPT, GPTConfig
 def built(per_block):
     with torch.device("meta"):
         gpt = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=64, dropout=0.0, bias=False))
-    return make_backend("ddp", dict(SETTINGS, compile=True, compile_per_block=per_block)).wrap(gpt, lambda m: m.init_weights(0))
+    back = make_backend("ddp", dict(SETTINGS, compile=True, compile_per_block=per_block))
+    return back.wrap(gpt, lambda m: m.init_weights(0))
 model, whole = built(True), built(False)
 compiled = lambda f: hasattr(f, "_torchdynamo_orig_callable")
 x = torch.randint(64, (2, 16), generator=torch.Generator().manual_seed(0))
