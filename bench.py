@@ -16,8 +16,8 @@ the range the training thread was in, such as the wait for one unit's reduce-sca
 are against the first backend; below the table, each repeat's step time is also divided by the
 first backend's run beside it, with the median and range of those ratios: the spread says how
 far to trust one.
-Per backend it also prints the training thread's CPU time per step in forward and backward,
-clipping and the optimizer step (train.py's host_ms): on a GPU, the host's own work but backward's
+Per backend it also prints the training thread's CPU time per step in reading the batch, forward
+and backward, clipping and the optimizer step (train.py's host_ms): on a GPU, the host's own work but backward's
 (autograd runs it on a thread of its own for the device); and rank 0's
 process CPU time per step, every thread's (train.py's cpu_ms): on a CPU machine whose cores are
 all busy, the step time follows it; on a GPU it does too, as the host spins while it waits for the
@@ -62,7 +62,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 MODEL = ["--n_layer=4", "--n_head=4", "--n_embd=256", "--batch_size=8", "--block_size=128", "--dropout=0.0",
          "--compile=False"]
 TIMED_ONLY = ["--eval_iters=0", "--log_interval=1000000", "--keep_checkpoints=0"]
-HOST_PHASES = ("forward_backward", "clip", "optimizer")  # the phases train.py times (host_ms)
+HOST_PHASES = ("batch", "forward_backward", "clip", "optimizer")  # the phases train.py times (host_ms)
 
 
 def split_row(row):

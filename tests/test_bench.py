@@ -125,7 +125,7 @@ def test_summarize_run_fields_and_medians():
     rows = [{"iter": 0, "train_loss": 4.0, "val_loss": 4.1}]
     rows += [{"iter": i, "loss": 4.0 - i / 10, "grad_norm": 1.0, "lr": 1e-3, "dt_ms": dt,
               "tokens_per_sec": 1000.0 / dt, "mfu": None, "peak_mem_mb": 100.0,
-              "host_ms": {"forward_backward": dt / 2, "clip": 1.0, "optimizer": dt / 10}, "page_faults": 3 * dt,
+              "host_ms": {"batch": dt / 20, "forward_backward": dt / 2, "clip": 1.0, "optimizer": dt / 10}, "page_faults": 3 * dt,
               "cpu_ms": 2 * dt}
              for i, dt in enumerate([900.0, 500.0, 10.0, 30.0, 20.0])]
     rows += [{"event": "memory", "stage": "after first step", "rss_mb": 300.0, "params_mb": 2.0, "grads_mb": 2.0, "optim_mb": 4.0},
@@ -140,9 +140,9 @@ def test_summarize_run_fields_and_medians():
     # ddp's gradient all-reduce, which the counter cannot see, is its gradients' size (the loss's beside it)
     assert bench.summarize_run(rows, "ddp")["all_reduce_mb"] == 1.5 + 4.0 / 2**20
     assert s["loss"] == pytest.approx(3.6)
-    assert s["host_ms"] == {"forward_backward": 10.0, "clip": 1.0, "optimizer": 2.0}  # medians per phase
+    assert s["host_ms"] == {"batch": 1.0, "forward_backward": 10.0, "clip": 1.0, "optimizer": 2.0}  # medians per phase
     assert s["page_faults"] == 60.0 and s["cpu_ms"] == 40.0
-    runs = [s, s | {"step_ms": 40.0, "host_ms": {"forward_backward": 30.0, "clip": 3.0, "optimizer": 4.0}}, s]
+    runs = [s, s | {"step_ms": 40.0, "host_ms": {"batch": 1.5, "forward_backward": 30.0, "clip": 3.0, "optimizer": 4.0}}, s]
     assert bench.median_of(runs)["step_ms"] == 20.0 and bench.median_of(runs)["host_ms"]["optimizer"] == 2.0
 
 
@@ -180,7 +180,7 @@ def test_table_prints_ratios_and_reserved_memory_on_cuda(cuda, capsys):
                 "reserved_mb": reserved if cuda else None, "all_gather_mb": 0.0, "reduce_scatter_mb": 0.0,
                 "all_reduce_mb": all_reduce_mb, "exposed_comm_ms": None, "hidden_fraction": None, "mfu": None,
                 "exposed_by_place": None,
-                "host_ms": {"forward_backward": step_ms / 3, "clip": 0.5, "optimizer": peak / 3000},
+                "host_ms": {"batch": 0.2, "forward_backward": step_ms / 3, "clip": 0.5, "optimizer": peak / 3000},
                 "page_faults": peak / 3, "cpu_ms": step_ms * 2}
     bench.print_table({"ddp": row(30.0, 9000.0, 9500.0, 1e-6), "custom_fsdp:wrap_policy=model": row(28.5, 8100.0, 8550.0, 2e-6)})
     header, base, ours, base_host, our_host, sizes_note, ddp_note = capsys.readouterr().out.splitlines()
@@ -188,7 +188,7 @@ def test_table_prints_ratios_and_reserved_memory_on_cuda(cuda, capsys):
     assert ours.startswith("custom_fsdp:wrap_policy=model |") and "28.5 (0.95x)" in ours and "8,100.0 (0.90x)" in ours
     assert ("8,550.0 (0.90x)" in ours) == cuda
     assert "(2.00x)" not in ours  # no ratio between two figures that print as 0.0
-    assert base_host == ("ddp: training-thread CPU ms per step: forward_backward 10.0 (1.00x), clip 0.5 (1.00x), "
+    assert base_host == ("ddp: training-thread CPU ms per step: batch 0.2 (1.00x), forward_backward 10.0 (1.00x), clip 0.5 (1.00x), "
                          "optimizer 3.0 (1.00x); rank 0's process (all threads) CPU ms per step 60.0 (1.00x), "
                          "page faults per step 3,000")
     assert our_host.endswith("forward_backward 9.5 (0.95x), clip 0.5 (1.00x), optimizer 2.7 (0.90x); rank 0's "
@@ -227,9 +227,9 @@ def test_median_of_takes_each_host_phase_median_over_repeats():
     """The per-phase CPU times are medians over repeats too, not the first repeat's."""
     def run(step_ms, fb, clip):
         return {"step_ms": step_ms, "tokens_per_sec": 1e3 / step_ms, "mfu": None, "reserved_mb": None,
-                "host_ms": {"forward_backward": fb, "clip": clip, "optimizer": 1.0}, "cpu_ms": step_ms}
+                "host_ms": {"batch": 0.1, "forward_backward": fb, "clip": clip, "optimizer": 1.0}, "cpu_ms": step_ms}
     m = bench.median_of([run(50.0, 40.0, 9.0), run(20.0, 10.0, 1.0), run(30.0, 20.0, 2.0)])
-    assert m["host_ms"] == {"forward_backward": 20.0, "clip": 2.0, "optimizer": 1.0}
+    assert m["host_ms"] == {"batch": 0.1, "forward_backward": 20.0, "clip": 2.0, "optimizer": 1.0}
     assert m["step_ms"] == 30.0 and m["cpu_ms"] == 30.0 and m["reserved_mb"] is None
 
 

@@ -822,7 +822,7 @@ def test_metrics_rows_complete(runs_a, runs_b):
                 # the global batch's tokens per step (batch_size 4, block_size 32), at any world size
                 assert row["tokens_per_sec"] * row["dt_ms"] / 1000 == pytest.approx(ga * 4 * 32, rel=1e-9), (name, row)
                 # the training thread's CPU time per phase; forward and backward always take some
-                assert set(row["host_ms"]) == {"forward_backward", "clip", "optimizer"}, row
+                assert set(row["host_ms"]) == {"batch", "forward_backward", "clip", "optimizer"}, row
                 assert row["host_ms"]["forward_backward"] > 0 and all(v >= 0 for v in row["host_ms"].values())
             assert [r["iter"] for r in train] == list(range(len(train)))
             for row in evals:
