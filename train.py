@@ -210,7 +210,7 @@ for split in ("train", "val"):
 def get_batch(split, *key):
     # each row one read of block_size + 1 tokens (x and y overlap): a np.memmap kept open would count
     # every page it ever touched in the process's RSS (in time all of OpenWebText's 17 GB), and one
-    # opened per call, as nanoGPT's, took 0.4 ms of host time per call where this takes 0.2 (batch 4 x 32)
+    # opened per call, as nanoGPT's, took twice the host time (0.8 against 0.4 ms a call at 12 x 64: MEASUREMENTS.md)
     fd, tokens = data_files[split]
     ix = np.random.default_rng((seed, *key)).integers(tokens - block_size, size=batch_size)
     rows = np.stack([np.frombuffer(os.pread(fd, 2 * (block_size + 1), 2 * int(i)), dtype=np.uint16) for i in ix])
