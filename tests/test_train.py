@@ -332,13 +332,13 @@ def test_compile_matches_eager(runs_a, tiny_args, tmp_path, wrap_policy):
 
 # a script's start: the backend settings train.py passes make_backend, for a small CPU model;
 # each script changes what it varies (dict(SETTINGS, compile=True))
-SETTINGS = """
+SETTINGS_PRELUDE = """
 SETTINGS = dict(device="cpu", dtype="float32", compile=False, cpu_offload=False, replicate_degree=1,
                 wrap_policy="block", min_wrap_params=1, reshard_after_forward=True, prefetch=True,
                 shared_memory=True, compile_per_block=False)
 """
 
-WRAP_AND_REPORT_GRAPHS = SETTINGS + """
+WRAP_AND_REPORT_GRAPHS = SETTINGS_PRELUDE + """
 import sys
 import torch
 from backends import init_distributed, make_backend
@@ -370,7 +370,7 @@ def test_compile_graphs_follow_the_units(wrap_policy, expected):
     assert res.stdout.strip().splitlines()[-1] == expected
 
 
-DDP_GRAPHS_AND_LOSS = SETTINGS + """
+DDP_GRAPHS_AND_LOSS = SETTINGS_PRELUDE + """
 import torch
 from backends import make_backend
 from model import GPT, GPTConfig
@@ -398,7 +398,7 @@ def test_ddp_compiles_per_block_when_asked():
 
 # the start of a script run with a backend's name: that backend's 2-block GPT and AdamW, built as
 # train.py builds them (`back`, `model`, `opt`)
-BACKEND_GPT = SETTINGS + """
+BACKEND_GPT = SETTINGS_PRELUDE + """
 import os
 import sys
 import torch
@@ -413,7 +413,7 @@ model = back.wrap(gpt, lambda m: m.init_weights(0))
 opt = back.unwrap(model).configure_optimizers(0.1, 1e-3, (0.9, 0.95), back.optimizer_class)
 """
 
-PREFETCH_ORDER = SETTINGS + """
+PREFETCH_ORDER = SETTINGS_PRELUDE + """
 import torch
 from backends import init_distributed, make_backend
 from fsdp_impl.comm import ledger
@@ -869,7 +869,7 @@ def test_activation_checkpointing_runs_each_block_again_in_backward():
         model.Block.forward = forward
 
 
-DDP_AUTOCAST = SETTINGS + """
+DDP_AUTOCAST = SETTINGS_PRELUDE + """
 import torch
 from backends import init_distributed, make_backend
 init_distributed("ddp", "gloo", "cpu", 60)
