@@ -503,9 +503,9 @@ while True:
         k = rank * local_steps + micro_step  # global micro-batch index
         with obs.host_time("batch"):
             X, Y = get_batch("train", iter_num, k)
+        with obs.host_time("forward_backward"):
             if dropout:  # (42 us a call: not paid where nothing draws)
                 seed_dropout(iter_num, k)  # dropout masks, fixed like the data
-        with obs.host_time("forward_backward"):
             back.set_grad_sync(model, micro_step == local_steps - 1)
             with back.autocast():
                 # [1]: keep the loss, drop the logits (at GPT-2 size 1.2 GB that would otherwise
