@@ -15,10 +15,7 @@ The one place where the distributed backends differ. train.py talks to a Backend
 `fsdp` is PyTorch's FSDP2 (torch.distributed.fsdp.fully_shard); `custom_fsdp` is ours
 (fsdp_impl), with the same API, so the two share one class and differ only in the import.
 """
-import ctypes
-import functools
 import os
-import sys
 from contextlib import nullcontext
 from datetime import timedelta
 
@@ -61,36 +58,6 @@ def init_distributed(dist_backend, pg_backend, device, timeout_s):
     return rank, world_size, device
 
 
-@functools.cache
-def _glibc(function):
-    """A glibc function (looked up once), or None off Linux."""
-    return getattr(ctypes.CDLL(None), function, None) if sys.platform.startswith("linux") else None
-
-
-def set_malloc_mmap_threshold(mb):
-    """CPU memory: buffers of `mb` MB and more get their own mapping, and the heap keeps what a step
-    frees at its top (up to 2 GB) instead of handing it back to the OS, so the next step does not
-    fault the same pages in again inside its matrix products (MEASUREMENTS.md, "Page faults"; at
-    256 MB kept, 201M parameters still took 62,000 faults per step). train.py's default is 32, where
-    glibc's own dynamic threshold stops rising and the most older glibc accepts; 0 leaves glibc's
-    own behaviour (FSDP2 alone steps 4-7% faster with it; README's CPU knobs). Linux/glibc only."""
-    mallopt = _glibc("mallopt")
-    if mb <= 0 or mallopt is None:
-        return
-    M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # from glibc's malloc.h
-    mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
-    mallopt(M_MMAP_THRESHOLD, int(mb * 2**20))
-    mallopt(M_TRIM_THRESHOLD, 2**31 - 1)  # (the largest an int, mallopt's argument, holds)
-
-
-def trim_malloc_heap():
-    """CPU memory: hand the free pages inside glibc's heap, not only its top, back to the OS
-    (malloc_trim). The next step faults them in again: off by default, as it cost a 5M model's
-    step 14-27% for 4-9 MB less peak RSS (MEASUREMENTS.md). Returns whether anything was released."""
-    malloc_trim = _glibc("malloc_trim")
-    return bool(malloc_trim(0)) if malloc_trim is not None else False
-
-
 class BackendError(ValueError):
     """Bad settings: train.py prints the message as one line and exits non-zero."""
 
@@ -107,9 +74,8 @@ def _cpp_compiler_found():
 
 
 def compile_per_block(model):
-    """Compile each block's forward, and the output layer with the loss, as graphs of their own: the FSDP
-    backends' compile with a unit per block (their hooks run between the graphs), and DDP's with
-    compile_per_block=True, a baseline compiled alike."""
+    """Compile each block's forward, and the output layer with the loss, as graphs of their own, so
+    that the sharded backends' hooks run between the graphs, never inside one."""
     for b in model.transformer.h:
         b.forward = torch.compile(b.forward)
     model.logits_and_loss = torch.compile(model.logits_and_loss)
@@ -117,10 +83,9 @@ def compile_per_block(model):
 
 def grad_norm(grads):
     """The 2-norm of all `grads` together. On the CPU, row by row and then over the rows: torch's norm
-    of a whole CPU tensor runs on one thread and sums it in one float32 run. For a 1.3B model's
-    offloaded grads on an H200 machine's 16 cores that took 408 ms, the rows 59 ms; over one
-    16.7M-value tensor it erred by 6e-4 relative, the rows by 3e-8 (MEASUREMENTS.md). On the GPU
-    torch's multi-tensor norm, one kernel for them all. (A backend's grads are all on one device.)"""
+    of a whole CPU tensor runs on one thread and sums it in one long float32 run, which is slow and
+    loses precision for offloaded grads of a large model. On the GPU torch's multi-tensor norm,
+    one kernel for them all. (A backend's grads are all on one device.)"""
     if not grads or grads[0].device.type != "cpu":
         return torch.nn.utils.get_total_norm(grads)
     rows = [g.reshape(g.shape[0], -1) if g.dim() > 1 and g.numel() else g.reshape(1, -1) for g in grads]
@@ -148,8 +113,6 @@ class Backend:
         self.world_size = dist.get_world_size() if dist.is_initialized() else 1
         if cfg["cpu_offload"] and self.device.type != "cuda":
             raise BackendError("cpu_offload needs a CUDA device: on CPU the parameters already live in CPU memory")
-        if cfg["compile_per_block"] and not cfg["compile"]:
-            raise BackendError("compile_per_block=True needs compile=True")
         if cfg["compile"] and self.device.type == "cpu" and not _cpp_compiler_found():
             raise BackendError("compile=True on CPU needs a C++ compiler (torch.compile builds its CPU kernels with "
                                "g++, or the one $CXX names): install one, or set --compile=False")
@@ -175,8 +138,8 @@ class Backend:
         return norm
 
     def local_grads(self, optimizer):
-        """The gradients this rank holds, in the optimizer's order. (model.parameters() walks every
-        module at every step: 122 us for a 12-block GPT against 9 us here, MEASUREMENTS.md.)"""
+        """The gradients this rank holds, in the optimizer's order. (model.parameters() would walk every
+        module at every step, which costs host time on a host-bound GPU step.)"""
         return [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
 
     def total_norm(self, grads):
@@ -228,9 +191,7 @@ class DDPBackend(Backend):
             for m, name in others:
                 m._parameters[name] = first._parameters[first_name]
         materialize(model)
-        if self.cfg["compile"] and self.cfg["compile_per_block"]:
-            compile_per_block(model)
-        elif self.cfg["compile"]:
+        if self.cfg["compile"]:
             model.compile()
         if self.world_size > 1:
             from torch.nn.parallel import DistributedDataParallel as DDP
@@ -265,12 +226,11 @@ class DDPBackend(Backend):
 
 class AdamWOnLocalShards(torch.optim.AdamW):
     """AdamW whose step runs on the local tensors of DTensor parameters and state: the fused kernel
-    AdamW's step runs, on the same tensors, without DTensor's dispatch of it. That dispatch took
-    3.1 ms of host time per step at GPT-2 124M against the plain model's 0.6 ms, on the critical
-    path of the host-bound per-block step (MEASUREMENTS.md, eighth GPU round). A subclass, not a
-    call of its own, so that optimizer.step() keeps its hooks (fsdp_impl reshards before a step
-    through one); the state, its creation and the state_dict are AdamW's. It refuses a closure and
-    differentiable=True, which train.py does not use."""
+    AdamW's step runs, on the same tensors, without DTensor's dispatch of it. That dispatch costs
+    several times the plain model's optimizer step in host time, which a small model's GPU step
+    waits for. A subclass, not a call of its own, so that optimizer.step() keeps its hooks
+    (fsdp_impl reshards before a step through one); the state, its creation and the state_dict are
+    AdamW's. It refuses a closure and differentiable=True, which train.py does not use."""
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -296,9 +256,6 @@ class FSDPBackend(Backend):
     optimizer_class = AdamWOnLocalShards
 
     def __init__(self, name, cfg):
-        if cfg["compile_per_block"]:
-            raise BackendError("compile_per_block applies to ddp: the sharded backends compile by their units "
-                               "(per block, or the whole forward with wrap_policy='model')")
         super().__init__(cfg)
         if self.dtype == torch.float16:
             raise BackendError("dtype=float16 needs loss scaling, which the sharded backends do not do: use bfloat16")
@@ -311,9 +268,8 @@ class FSDPBackend(Backend):
             from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
             self.offload_policy = CPUOffloadPolicy() if cfg["cpu_offload"] else None
         else:
-            from fsdp_impl import MixedPrecisionPolicy, OffloadPolicy, comm, fully_shard
+            from fsdp_impl import MixedPrecisionPolicy, OffloadPolicy, fully_shard
             self.offload_policy = OffloadPolicy() if cfg["cpu_offload"] else None
-            comm.shared_memory = cfg["shared_memory"]
         self.fully_shard = fully_shard
         self.mp_policy = MixedPrecisionPolicy(
             param_dtype=None if self.dtype == torch.float32 else self.dtype, reduce_dtype=torch.float32)

@@ -1,19 +1,19 @@
 """
 What a run costs, for any backend: memory at the stages users look at, collectives counted
-per step, the training thread's CPU time per phase of a step, the page faults of a step, profiler
-traces and memory snapshots of a few steps. train.py owns one Observer.
+per step, the training thread's CPU time per phase of a step, profiler traces and memory
+snapshots of a few steps. train.py owns one Observer.
 
     --profile=True          Chrome/Perfetto traces, one per rank: out_dir/traces/<backend>/rank<R>.json
                             of the run's steps PROFILE_STEPS, each a ProfilerStep#<step> range
                             holding that training step alone (evaluation and checkpointing
-                            fall between the ranges); fsdp_impl.overlap reports per range.
-                            On CPU every thread is recorded (custom_fsdp's bytes are moved by a
-                            thread of their own), unless --memory_snapshot=True is on too.
+                            fall between the ranges); overlap.py reports per range.
+                            On CPU every thread is recorded (gloo moves the bytes on threads of
+                            its own), unless --memory_snapshot=True is on too.
     --memory_snapshot=True  CUDA: torch.cuda.memory history, out_dir/memory/rank<R>.pickle (open it
                             at pytorch.org/memory_viz); CPU: a trace with every allocation and the
                             memory in use as a counter track, rank<R>.json (open it in Perfetto).
-                            (The profiler's own export_memory_timeline asserts on fsdp_impl's
-                            storage resizing, so it is not used.)
+                            (The profiler's own export_memory_timeline asserts on the FSDP
+                            backends' storage resizing, so it is not used.)
 """
 import os
 import resource
@@ -24,7 +24,6 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 
-from fsdp_impl import comm
 
 PROFILE_STEPS = (2, 5)  # the run's steps [2, 5), counting from 0: past warm-up, few enough
 # dense tensor-core peaks in FLOP/s: (bf16 or fp16, TF32, which float32 matmuls run on with
@@ -43,18 +42,6 @@ def peak_flops(device_name, dtype):
         if name in device_name:
             return tf32 if dtype == "float32" else half
     return None
-
-
-def process_usage():
-    """(minor page faults, CPU seconds) of this process since it started, every thread's.
-
-    Minor faults are pages mapped without disk I/O (fresh anonymous pages, or ones handed back
-    to the OS and touched again; file pages already cached count too): each costs the kernel a
-    fault, inside whatever operator touched the page. The CPU time is user + system, of the
-    training thread and of every helper (gloo's, fsdp_impl's posting thread, OpenMP's): where
-    the cores are all busy, a step cannot take less than the CPU it needs over the cores it has."""
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_minflt, usage.ru_utime + usage.ru_stime
 
 
 def local_tensor(t):
@@ -76,9 +63,7 @@ def model_state_mb(model, optimizer):
 
 class CommCounter:
     """Counts collectives and bytes issued through torch.distributed's Python API (everything FSDP2
-    and fsdp_impl issue) and fsdp_impl's point-to-point exchanges on gloo (comm.exchange), each
-    counted once as the collective it does, with that collective's bytes. DDP's C++ reducer is
-    not seen (bench.py states its formula)."""
+    and fsdp_impl issue). DDP's C++ reducer is not seen (bench.py states its formula)."""
     KINDS = {"all_gather_into_tensor": "all_gather", "all_gather_single": "all_gather",
              "reduce_scatter_tensor": "reduce_scatter", "reduce_scatter_single": "reduce_scatter",
              "all_reduce": "all_reduce"}
@@ -90,7 +75,6 @@ class CommCounter:
         for fn_name, kind in self.KINDS.items():
             if hasattr(dist, fn_name):  # the *_single names are new in torch 2.13
                 setattr(dist, fn_name, self._counting(getattr(dist, fn_name), kind))
-        comm.exchange = self._counting_exchanges(comm.exchange)
 
     def _add(self, kind, nbytes):
         self.current[f"{kind}_count"] += 1
@@ -102,12 +86,6 @@ class CommCounter:
             big = max(tensors, key=torch.Tensor.numel)  # the output of a gather, the input of a scatter
             self._add(kind, big.numel() * big.element_size())
             return fn(*args, **kwargs)
-        return counted
-
-    def _counting_exchanges(self, exchange):
-        def counted(kind, nbytes, *args, **kwargs):
-            self._add(kind, nbytes)
-            return exchange(kind, nbytes, *args, **kwargs)
         return counted
 
     def take(self):
@@ -135,8 +113,6 @@ class Observer:
         self.profile = profile
         self.steps = 0
         self.host_ms = {}  # this step's CPU time of the training thread per phase
-        self.page_faults, self.cpu_ms = 0, 0.0  # this step's minor page faults and CPU time (the process's)
-        self._usage_before = (0, 0.0)
 
     @contextmanager
     def host_time(self, phase):
@@ -187,22 +163,15 @@ class Observer:
             # no schedule: its ProfilerStep ranges would run from one step() to the next, through
             # whatever lies between two steps; ours are opened and closed around each step (and
             # the profiler's start-up, which the schedule's warm-up step absorbed, is outside both)
-            # on CPU every thread, for fsdp_impl's exchanges, which a thread of its own moves (gloo's
-            # messages, or shared memory); the profiler then records no allocations, so a memory
-            # timeline has the training thread's (and gloo's workers'), not that thread's (which
-            # allocates nothing)
+            # on CPU every thread, for gloo's, which move the bytes of every collective; a trace
+            # that records allocations records the training thread's only
             threads = torch._C._profiler._ExperimentalConfig(profile_all_threads=not (self.cuda or mem))
-            if mem and self.profile and comm.posting_thread_started() and self.rank == 0:
-                print("--profile=True with --memory_snapshot=True on CPU: the trace records allocations, so it "
-                      "leaves out the thread that moves fsdp_impl's bytes; for the overlap, profile "
-                      "without --memory_snapshot", flush=True)
             self.profiler = torch.profiler.profile(activities=acts, record_shapes=mem, profile_memory=mem,
                                                    with_stack=mem, experimental_config=threads)
             self.profiler.start()
         if self.profiler is not None:  # (the range name is the one fsdp_impl.overlap reads)
             self.step_range = torch.profiler.record_function(f"ProfilerStep#{self.steps}")
             self.step_range.__enter__()
-        self._usage_before = process_usage()  # (after the profiler's start, as the step's clock)
 
     def _path(self, *parts):
         path = os.path.join(self.out_dir, *parts)
@@ -211,8 +180,6 @@ class Observer:
 
     def after_step(self):
         """Close the profiled step; at the window's end, write what was recorded."""
-        faults, cpu_s = process_usage()
-        self.page_faults, self.cpu_ms = faults - self._usage_before[0], (cpu_s - self._usage_before[1]) * 1e3
         if self.step_range is not None:
             self.step_range.__exit__(None, None, None)
             self.step_range = None

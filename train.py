@@ -22,7 +22,7 @@ import torch.distributed as dist
 import checkpoint
 import configurator
 import observe
-from backends import BACKENDS, BackendError, init_distributed, make_backend, set_malloc_mmap_threshold, trim_malloc_heap
+from backends import BACKENDS, BackendError, init_distributed, make_backend
 from model import GPT, GPT2_MODELS, GPTConfig, load_pretrained_gpt2
 
 # -----------------------------------------------------------------------------
@@ -70,10 +70,9 @@ dist_backend = "ddp"  # 'ddp', 'fsdp' (PyTorch FSDP2) or 'custom_fsdp' (ours)
 backend = "nccl"  # process-group backend on CUDA; CPU runs use gloo
 # FSDP knobs (fsdp and custom_fsdp)
 reshard_after_forward = True  # True: ZeRO-3 (free gathered params after forward); False: ZeRO-2
-wrap_policy = "block"  # 'block': one unit per block + root; 'model': one unit; 'size': group blocks
-min_wrap_params = 1_000_000  # wrap_policy='size': consecutive blocks per unit until this many params
+wrap_policy = "size"  # 'size': consecutive blocks per unit up to min_wrap_params; 'block': one each; 'model': one unit
+min_wrap_params = 20_000_000  # wrap_policy='size': a unit takes blocks until it holds this many parameters
 prefetch = True  # gather the next unit while this one computes
-shared_memory = True  # custom_fsdp on CPU: ranks of one host pass their bytes through shared memory, not gloo's TCP
 replicate_degree = 1  # HSDP: >1 replicates over this many groups and shards inside each
 cpu_offload = False  # keep sharded params, grads and optimizer state in CPU memory (CUDA only)
 activation_checkpointing = False  # recompute each block's activations in backward (any backend)
@@ -85,9 +84,7 @@ max_skipped_steps = 10  # on_nonfinite='skip': stop after more steps than this s
 device = "cuda" if torch.cuda.is_available() else "cpu"  # 'cpu', 'cuda', 'cuda:0', ...
 dtype = "bfloat16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "float32"
 compile = False
-compile_per_block = False  # ddp: each block and the loss a graph of its own, as the sharded backends compile
-malloc_trim = False  # CPU: return glibc's freed heap pages to the OS after every step (less RSS, slower)
-malloc_mmap_threshold_mb = 32  # CPU: buffers below this from glibc's heap, kept between steps (0: glibc's own; see backends.py)
+deterministic = False  # deterministic kernels (math attention, cuBLAS's), so that backends can agree bit for bit on a GPU
 # observability (see observe.py)
 profile = False  # Chrome traces of a few steps under out_dir/traces/<dist_backend>/
 memory_snapshot = False  # CUDA memory history of a few steps (CPU: their allocations, in a trace)
@@ -159,9 +156,6 @@ for name in ("dropout", "beta1", "beta2"):
         fail(f"{name}={globals()[name]} is outside [0, 1)")
 if n_embd % n_head:
     fail(f"n_embd={n_embd} is not divisible by n_head={n_head}")
-if not 0 <= malloc_mmap_threshold_mb <= 32:
-    fail(f"malloc_mmap_threshold_mb={malloc_mmap_threshold_mb} is outside 0..32 (0 keeps glibc's own; "
-         f"older glibc refuses more than 32)")
 if not 0 <= seed < 2**44:  # (the initialization draws from seeds of 64 bits made from it: model.py)
     fail(f"seed={seed} is outside 0..2**44-1 (the data, the initialization and dropout derive their seeds from it)")
 if decay_lr and not (warmup_iters < lr_decay_iters and min_lr <= learning_rate):
@@ -187,11 +181,13 @@ tokens_per_iter = gradient_accumulation_steps * batch_size * block_size
 if master:
     print(f"{dist_backend} on {world_size} process(es); tokens per iteration: {tokens_per_iter:,}")
 device_type = "cuda" if device.startswith("cuda") else "cpu"
-if device_type == "cpu":
-    set_malloc_mmap_threshold(malloc_mmap_threshold_mb)
-trim_heap_each_step = malloc_trim and device_type == "cpu"
 torch.backends.cuda.matmul.allow_tf32 = True
 torch.backends.cudnn.allow_tf32 = True
+if deterministic:  # the same inputs give the same bits: for comparing backends, not for speed
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # (read when cuBLAS starts, after this)
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    for kernel in ("flash", "mem_efficient", "cudnn"):  # their backward sums in no fixed order: math attention
+        getattr(torch.backends.cuda, f"enable_{kernel}_sdp")(False)
 
 # data: the batch of (iteration i, global micro-batch k) depends on (seed, i, k) alone, so every
 # world size and backend trains on the same tokens, and a resumed run on the same as an unbroken one
@@ -210,7 +206,7 @@ for split in ("train", "val"):
 def get_batch(split, *key):
     # each row one read of block_size + 1 tokens (x and y overlap): a np.memmap kept open would count
     # every page it ever touched in the process's RSS (in time all of OpenWebText's 17 GB), and one
-    # opened per call, as nanoGPT's, took twice the host time (0.8 against 0.4 ms a call at 12 x 64: MEASUREMENTS.md)
+    # opened per call, as nanoGPT's, costs twice the host time
     fd, tokens = data_files[split]
     ix = np.random.default_rng((seed, *key)).integers(tokens - block_size, size=batch_size)
     rows = np.stack([np.frombuffer(os.pread(fd, 2 * (block_size + 1), 2 * int(i)), dtype=np.uint16) for i in ix])
@@ -550,14 +546,12 @@ while True:
     memory_rows += [obs.memory(stage, model, optimizer) for stage in stages]
     report_s = time.time() - report_s
     optimizer.zero_grad(set_to_none=True)
-    if trim_heap_each_step:
-        trim_malloc_heap()
     report_last_step()  # (in this step's time: the wait is for the device, which ran the last one)
     dt = time.time() - t0 - report_s
     obs.after_step()  # (after the clock: the trace, at the window's end, is written outside the step)
     last_step = (dict(iter=iter_num, lr=lr, dt_ms=dt * 1000, tokens_per_sec=tokens_per_iter / dt,
                       mfu=gpt.estimate_mfu(local_steps * batch_size, dt, peak_flops), peak_mem_mb=obs.peak_mb(),
-                      host_ms=obs.host_ms, page_faults=obs.page_faults, cpu_ms=obs.cpu_ms), read_step)
+                      host_ms=obs.host_ms), read_step)
     if on_nonfinite != "stop":
         report_last_step()
     iter_num += 1

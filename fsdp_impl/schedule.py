@@ -12,7 +12,6 @@ Schedule: the root's view of a training step, shared by all units under one root
   not fire (no input that requires grad, such as the root's token ids; a unit unused in this
   step) and waits for every pending reduction, so the sharded .grads are complete when
   backward() returns.
-- The buffer pool: unit-sized buffers reused across units and steps (CPU only).
 - Under CPU offload, two CUDA streams that carry the shards to the GPU and the grads back, and
   the unsharded grads the copy-out stream reads, held until the compute stream waits for it.
 - Gathered parameters never outlive an optimizer step, which changes the shards they copy: a
@@ -26,63 +25,6 @@ from torch.autograd import Variable
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from .unit import GATHERING
-
-
-class BufferPool:
-    """Free buffers of the root's units, kept by (numel, dtype) for the next unit that needs one.
-
-    Gathered parameters, all-gather outputs and reduce-scatter inputs of same-sized units are
-    interchangeable, so a step needs only as many as are alive at once (five for the tests' GPT
-    at 4 or 8 blocks), not a fresh allocation per unit and micro-step, and it keeps them from
-    step to step. On CPU that matters: glibc serves such buffers from its heap and fragments
-    it, or, above its mmap threshold (32 MB at most), maps each fresh one, hands it back when
-    it is freed and page-faults it in again (13% of a step at 101M parameters, where a
-    block is 50 MB). Kept buffers are memory the step needs again at once; the peak is in
-    backward, where they are all in use. CUDA's caching allocator already does this job, so on
-    CUDA buffers pass straight through.
-    """
-    REUSE = {"cpu": True}  # by device type (tests switch CPU's off: fsdp_worker.py's no_buffer_pool mode)
-
-    def __init__(self, device):
-        self.device = device
-        self.reuse = self.REUSE.get(device.type, False)
-        self.free = {}
-        self.allocations = 0  # fresh buffers allocated, for tests
-
-    def take(self, numel, dtype):
-        free = self.free.get((numel, dtype))
-        if free:
-            return free.pop()
-        self.allocations += 1
-        with torch.inference_mode(False):  # pooled, so also used outside an inference-mode forward
-            return torch.empty(numel, dtype=dtype, device=self.device)
-
-    def give(self, buffer):
-        if self.reuse:
-            self.free.setdefault((buffer.numel(), buffer.dtype), []).append(buffer)
-
-    def fill(self, tensor):
-        """Give `tensor`'s empty storage memory: a pooled buffer's on CPU, a fresh block of the
-        caching allocator's on CUDA (FSDP2's storage resize). The storage object stays the same,
-        so views of it, and the tensors autograd saved from them, see the new memory. Returns
-        what drain() needs back."""
-        if not self.reuse:
-            tensor.untyped_storage().resize_(tensor.numel() * tensor.element_size())
-            return None
-        buffer = self.take(tensor.numel(), tensor.dtype)
-        tensor.untyped_storage()._swap_data_ptr_(buffer.untyped_storage())
-        return buffer
-
-    def drain(self, tensor, buffer):
-        """Undo fill(): `tensor`'s storage is empty again; its memory goes back to the pool."""
-        if buffer is None:
-            tensor.untyped_storage().resize_(0)
-            return
-        tensor.untyped_storage()._swap_data_ptr_(buffer.untyped_storage())
-        self.give(buffer)
-
-    def clear(self):
-        self.free.clear()
 
 
 _schedules = weakref.WeakSet()  # every live schedule, for the optimizer-step hook
@@ -101,7 +43,6 @@ class Schedule:
     def __init__(self, units, root):
         global _step_hook
         self.units, self.root = units, root
-        self.buffers = BufferPool(root.compute_device)
         self.pre_forward_order, self.post_forward_order = [], []
         self.recording = True
         self.next_forward, self.next_backward = {}, {}
@@ -182,5 +123,4 @@ class Schedule:
             unit.reset()
         self.pending_reductions.clear()
         self.release_read()
-        self.buffers.clear()
         self.end_of_backward_queued = False

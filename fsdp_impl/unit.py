@@ -10,26 +10,17 @@ Memory layout (W ranks in the shard group, rank r):
     all-gather   [W, S]     rank-major, as the collective writes it; copied out once into
     flat_full    [W * S]    parameter-major: parameter i's full (padded) tensor is contiguous, and
                             the unsharded parameters used by forward/backward are views into it.
-                            Its storage holds memory (a buffer of the root's pool on CPU, a
-                            resize on CUDA) while the unit is unsharded and is empty otherwise
-                            (the views, and the tensors autograd saved, stay valid and come back
-                            to life when it is refilled).
+                            Its storage is resized to hold memory while the unit is unsharded
+                            and to none otherwise (the views, and the tensors autograd saved,
+                            stay valid and come back to life when it is refilled).
 
 With one rank the shard already has the full layout: the all-gather is a copy straight into
-flat_full and the reduce-scatter is the identity (its input becomes the sharded .grads). On gloo
-(CPU) the all-gather is point-to-point messages, one per parameter and peer, each landing in its
-place in flat_full: no rank-major buffer, no copy-out (between the processes of one machine the
-same pieces pass through shared memory: comm.py, shm.py).
+flat_full and the reduce-scatter is the identity (its input becomes the sharded .grads).
 
 Gradients go the other way: unsharded grads -> [W, S] (torch._chunk_cat pads each to the row
 layout above) -> one reduce-scatter (AVG) -> [S], whose pieces become the sharded DTensor .grads.
-With two ranks on gloo each grad's rows are sent as they are, with no _chunk_cat: the peer's
-land in [S] and the own rows are added there. The layout is exactly FSDP2's, so with the same
-arithmetic the numbers are the same bits.
-
-Trade (gloo): a message per parameter costs a rendezvous each, where one per unit costs a copy
-of the unit; measured, the copies cost more at 47M parameters and the two were even at 5M
-(IMPLEMENTATION.md).
+The layout and the collectives are exactly FSDP2's, so with the same arithmetic the numbers are
+the same bits.
 
 Two state machines. Where the parameters are (`state`): SHARDED -> GATHERING (all-gather in
 flight) -> UNSHARDED -> SHARDED. Where the unit is in a step (`training_state`): idle -> forward
@@ -94,12 +85,6 @@ class ParamShard:
         self.accumulated_grad = None  # reduce_dtype grad kept while gradient sync is off
         self.requires_grad = param.requires_grad  # as last seen on both parameter objects
 
-    def rows_of(self, full, rank):
-        """Rank `rank`'s rows of `full`, a flat tensor of this parameter's (unpadded) shape: fewer than
-        a padded piece's, or none, for the last ranks when the rows do not divide evenly."""
-        start = rank * self.padded_numel
-        return full[start:start + max(0, min(self.padded_numel, full.numel() - start))]
-
     def take_unsharded_grad(self):
         grad = self.accumulated_grad if self.accumulated_grad is not None else self.unsharded.grad
         self.accumulated_grad, self.unsharded.grad = None, None
@@ -139,7 +124,6 @@ class ShardedUnit:
         # (work, output, input: kept alive while the collective reads it, copy-in event or None) while GATHERING
         self._gather = None
         self._copied_out = None  # offload: event of the grads' copy to CPU memory, while in flight
-        self._full_memory = None  # from buffers.fill(flat_full), for buffers.drain()
         self._reduction = None  # (work, input, output, params) while a reduce-scatter is in flight
         self._partial_reduction = None  # HSDP with all-reduce off: reduce-scattered, not yet averaged
         self._phase_range = None  # profiler range of this unit's forward or backward, while open
@@ -241,13 +225,13 @@ class ShardedUnit:
             start = ps.offset * self.world
             view = self.flat_full[start:start + math.prod(ps.shape)].view(ps.shape)
             ps.unsharded = nn.Parameter(view, requires_grad=ps.requires_grad)
-        # each parameter's padded full tensor as [W, rows per rank * row numel]: where the all-gather's
-        # pieces land
+        # each parameter's padded full tensor as [W, rows per rank * row numel]: where the copy out of
+        # the rank-major all-gather output puts its pieces
         self._padded_numels = [ps.padded_numel for ps in self.params]
         self._full_slots = [self.flat_full[ps.offset * self.world:(ps.offset + ps.padded_numel) * self.world]
                             .view(self.world, -1) for ps in self.params]
+        self._full_bytes = self.flat_full.untyped_storage().nbytes()
         self.flat_full.untyped_storage().resize_(0)
-        self.point_to_point = comm.goes_point_to_point(self.shard_group, self.compute_device)
         self._sync_requires_grad()
 
     @torch.no_grad()  # (with grad on, the copy would record a graph back to the replaced tensors, keeping them)
@@ -311,21 +295,15 @@ class ShardedUnit:
             if self.world == 1:
                 # one rank: the shard already has the full layout, so the "all-gather" copies
                 # (and casts) it straight into the unsharded parameters, with no copy-out
-                self._full_memory = self.schedule.buffers.fill(self.flat_full)
-                output, slots, pieces = self.flat_full, [self.flat_full.view(1, -1)], [shard]
-            elif self.point_to_point:
-                # point to point (gloo, CPU): each parameter's piece from each rank lands straight
-                # in the unsharded parameter, with no copy-out
-                self._full_memory = self.schedule.buffers.fill(self.flat_full)
-                output, slots, pieces = self.flat_full, self._full_slots, shard.split(self._padded_numels)
+                self._fill_flat_full()
+                output = self.flat_full
             else:
-                output = self.schedule.buffers.take(self.world * self.shard_numel, self.param_dtype)
-                slots, pieces = [output.view(self.world, -1)], [shard]
+                output = torch.empty(self.world * self.shard_numel, dtype=self.param_dtype, device=self.compute_device)
             # writing into the unsharded parameters bumps their version counter; autograd saved
             # these same tensors in forward and must not see that as an in-place change (the
             # copy-out below is guarded the same way)
             with torch.autograd._unsafe_preserve_version_counter(self.flat_full):
-                work = comm.all_gather(slots, pieces, self.shard_group)
+                work = comm.all_gather(output, shard, self.shard_group)
             self._gather = (work, output, shard, copy_in.record_event() if copy_in is not None else None)
         self.state = GATHERING
 
@@ -344,13 +322,17 @@ class ShardedUnit:
             self._gather = None
             ledger.log("all_gather_wait", self.name)
             if output is not self.flat_full:  # copy out of the rank-major all-gather buffer
-                self._full_memory = self.schedule.buffers.fill(self.flat_full)
+                self._fill_flat_full()
                 with torch.autograd._unsafe_preserve_version_counter(self.flat_full):
                     torch.split_with_sizes_copy(output.view(self.world, self.shard_numel), self._padded_numels,
                                                 dim=1, out=self._full_slots)
-                self.schedule.buffers.give(output)
         self._register(unsharded=True)
         self.state = UNSHARDED
+
+    def _fill_flat_full(self):
+        """Give flat_full's storage memory again (FSDP2's storage resize): the storage object stays
+        the same, so the parameters viewing it, and the tensors autograd saved, see the new memory."""
+        self.flat_full.untyped_storage().resize_(self._full_bytes)
 
     def _register(self, unsharded):
         """Put the unsharded parameters, or the sharded ones, where the modules look them up (every
@@ -369,8 +351,7 @@ class ShardedUnit:
             return
         self._sync_requires_grad()  # a freeze of the unsharded parameters outlives them
         self._register(unsharded=False)
-        self.schedule.buffers.drain(self.flat_full, self._full_memory)
-        self._full_memory = None
+        self.flat_full.untyped_storage().resize_(0)
         ledger.log("free", self.name)
         self.state = SHARDED
 
@@ -503,28 +484,24 @@ class ShardedUnit:
         with profiled(f"fsdp::reduce_scatter {self.name}"):
             ledger.log("reduce_scatter", self.name)
             numel = sum(ps.padded_numel for ps in params)
-            if self.world == 2 and self.point_to_point:
-                self._reduce_scatter_pair(params, grads, numel)
-                return
             copy_out = None  # offloaded at one rank: the copy-out stream
             if self.world == 1:  # the reduction is the identity, so its input is its output (no copy)
                 # offloaded (not HSDP, whose all-reduce runs on the compute stream's side), the
                 # copy-out stream casts the grads into memory of its own, copies that to the CPU and
-                # frees it in its own order, with no record_stream (MEASUREMENTS.md, seventh GPU round)
+                # frees it in its own order, so no record_stream holds the memory back
                 if self.offload and self.replicate_group is None:
                     copy_out = self.schedule.offload_streams[1]
                     copy_out.wait_stream(torch.cuda.current_stream())
                 with on_stream(copy_out):
                     rs_input = torch.empty(numel, dtype=self.reduce_dtype, device=self.compute_device)
-                    # no padding to add, so one multi-tensor copy (and cast) does it: on an H100 CUDA's
-                    # _chunk_cat kernel took 1.7x its time for a 1.3B model's block; it costs some 10 us
-                    # more host time per unit (MEASUREMENTS.md, fourth GPU round)
+                    # no padding to add, so one multi-tensor copy (and cast) does it: on a GPU it is
+                    # faster than CUDA's _chunk_cat kernel for large blocks, for a little more host time
                     torch._foreach_copy_(rs_input.split([ps.padded_numel for ps in params]),
                                          [grad.flatten() for grad in grads])
                 if copy_out is not None:  # the grads stay alive until the copy-out stream has read them
                     self.schedule.hold_until_read(list(grads), copy_out.record_event())
             else:
-                rs_input = self.schedule.buffers.take(self.world * numel, self.reduce_dtype)
+                rs_input = torch.empty(self.world * numel, dtype=self.reduce_dtype, device=self.compute_device)
                 torch._chunk_cat(grads, dim=0, num_chunks=self.world, out=rs_input.view(self.world, -1))
             grads.clear()  # the unsharded gradients are freed here
             # the output, which outlives the step as the sharded grads, only now (FSDP2's order too):
@@ -539,23 +516,6 @@ class ShardedUnit:
                 self.finish_reduction()
             else:
                 self.schedule.pending_reductions.append(self)
-
-    def _reduce_scatter_pair(self, params, grads, numel):
-        """Two ranks on gloo: each gradient's rows go straight to their rank, with no _chunk_cat into a
-        rank-major input; the unsharded gradients, which the messages read, live until the wait."""
-        output = torch.empty(numel, dtype=self.reduce_dtype, device=self.compute_device)
-        landings, own, theirs, offset = [], [], [], 0
-        for ps, grad in zip(params, grads):
-            full = grad.to(self.reduce_dtype).reshape(-1)  # (a no-op unless bf16 grads reduce in float32)
-            own.append(ps.rows_of(full, self.rank))
-            theirs.append(ps.rows_of(full, 1 - self.rank))
-            landings.append(output[offset:offset + own[-1].numel()])
-            output[offset + own[-1].numel():offset + ps.padded_numel].zero_()  # padding, as _chunk_cat's
-            offset += ps.padded_numel
-        grads.clear()
-        work = comm.reduce_scatter_pair(output, landings, own, theirs, self.shard_group)
-        self._reduction = (work, output, output, params)
-        self.schedule.pending_reductions.append(self)
 
     def _add_partial_reduction(self, output, params):
         """This micro-step's replica-local sums plus those kept from micro-steps without all-reduce,
@@ -583,8 +543,6 @@ class ShardedUnit:
         self._reduction = None
         with profiled(f"fsdp::reduce_scatter_wait {self.name}"):
             work.wait()
-            if rs_input is not output:  # (else the sharded grads below are views into it)
-                self.schedule.buffers.give(rs_input)
             ledger.log("reduce_scatter_wait", self.name)
             if self.replicate_group is not None:  # HSDP: then average across replicas
                 if self._partial_reduction is not None:

@@ -8,8 +8,7 @@ as train.py does, then runs MICRO_STEPS micro-steps with backend.set_grad_sync(m
 Rank 0 writes {backend: {"grad_collectives": [per micro-step], "all_gathers": [...], "units": n}}.
 
 Counting, not guessing: train.py's observe.CommCounter wraps torch.distributed's collectives
-before any backward runs (FSDP2 and fsdp_impl/comm.py look them up at call time; fsdp_impl's
-point-to-point exchanges count as the collectives they stand for). DDP's reducer issues its
+before any backward runs (FSDP2 and fsdp_impl/comm.py look them up at call time). DDP's reducer issues its
 all-reduce from C++, so a comm hook that all-reduces the bucket as the default hook does routes
 it through torch.distributed, where the counter sees it.
 """
@@ -30,8 +29,7 @@ from observe import CommCounter  # noqa: E402
 MICRO_STEPS = 3
 N_LAYER = 2
 CFG = dict(device="cpu", dtype="float32", compile=False, cpu_offload=False, replicate_degree=1,
-           wrap_policy="block", min_wrap_params=1_000_000, reshard_after_forward=True, prefetch=True,
-           shared_memory=True, compile_per_block=False)
+           wrap_policy="block", min_wrap_params=1_000_000, reshard_after_forward=True, prefetch=True)
 
 
 def allreduce_hook(state, bucket):

@@ -23,7 +23,6 @@ import warnings
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
-from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -36,7 +35,6 @@ from torch.utils.checkpoint import checkpoint
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from fsdp_impl import MixedPrecisionPolicy as OurMixedPrecision  # noqa: E402
-from fsdp_impl import comm  # noqa: E402
 from fsdp_impl import fully_shard as our_fully_shard  # noqa: E402
 from fsdp_impl.comm import ledger  # noqa: E402
 
@@ -276,7 +274,7 @@ def parameter_assigned_before_the_first_forward(impl, mesh):
 
 def own_messages_inside_a_forward(impl, mesh):
     """blocks.1's forward sends rank 1 a message of its own (tag 1) while the all-gather of blocks.2
-    is in flight: gloo matches messages by peer and tag, and ours used tags 1 and 2."""
+    is in flight: the user's messages and the unit's collectives must not take each other's bytes."""
     def exchange(module, args):
         t = torch.full((3,), float(dist.get_rank()))
         if dist.get_rank() == 0:
@@ -412,18 +410,6 @@ def bf16_first_grad_in_the_sync_micro_step(impl, mesh):
             setattr(model, "skip" if impl == "ours" else "mute", (2,) if micro == 0 else ())
             model(data(s, micro)).backward()
     return train(build(impl, mesh, bf16=True, grouped=True), fwd_bwd)
-
-
-def bf16_first_grad_in_the_sync_micro_step_library_collectives(impl, mesh):
-    """The same on the library collectives' path (NCCL's, and gloo's beyond two ranks), where the
-    float32 sums and the bf16 first grad go into one rank-major reduce-scatter input (_chunk_cat,
-    which takes a single dtype); two ranks' exchanges cast each grad on its own."""
-    asked = []  # (so the flow fails if fsdp_impl stops asking comm.exchanges which path to take)
-    with mock.patch.object(comm, "goes_point_to_point", lambda group, device: asked.append(group) or False):
-        result = bf16_first_grad_in_the_sync_micro_step(impl, mesh)
-    if impl == "ours" and not asked:
-        raise AssertionError("the flow did not take the library collectives' path")
-    return result
 
 
 def hsdp_all_reduce_off(impl, mesh, skips):
@@ -583,7 +569,7 @@ FLOWS = [retain_graph, autograd_grad_then_backward, partial_no_grad_forward_befo
          grouped_unit_listed_out_of_order, dataclass_output, reset_after_exception_in_backward, unit_skipped_in_the_sync_micro_step,
          optimizer_step_in_backward, reentrant_checkpoint_two_forwards, mixed_precision_dataclass_io,
          forward_pre_hook_registered_before_fully_shard, bf16_first_grad_in_the_sync_micro_step,
-         bf16_first_grad_in_the_sync_micro_step_library_collectives, *HSDP_FLOWS,
+         *HSDP_FLOWS,
          reused_layer_outside_then_checkpointed, reused_layer_checkpointed_then_outside,
          reused_layer_checkpointed_twice, inference_mode_forward_between_steps, inference_mode_first_forward,
          dtype_changed_after_fully_shard, unshard_before_each_forward,

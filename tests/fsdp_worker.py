@@ -10,21 +10,18 @@ losses, grad norms and final parameters. Rank 0 writes everything to OUT.json; t
 test_fsdp_impl.py asserts on it. A mode that raises records its traceback instead of numbers,
 so one broken mode does not hide the others.
 """
-import contextlib
 import gc
 import json
 import math
 import os
 import sys
 import tempfile
-import threading
 import time
 import traceback
 import warnings
 import weakref
 import zlib
 from pathlib import Path
-from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -40,9 +37,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 from fsdp_impl import MixedPrecisionPolicy as OurMixedPrecision  # noqa: E402
 from fsdp_impl import fully_shard as our_fully_shard  # noqa: E402
-from fsdp_impl import comm, shm  # noqa: E402
 from fsdp_impl.comm import ledger  # noqa: E402
-from fsdp_impl.schedule import BufferPool  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 
 warnings.filterwarnings("ignore", message=".*returned a view tensor.*")
@@ -337,30 +332,6 @@ def parity_modes(world, mesh1d, mesh2d):
                      micro_setup=setup)
     modes["no_reshard_after_backward_sync_on"] = no_reshard_after_backward_sync_on
 
-    def no_buffer_pool(impl):  # CUDA's memory path on CPU: fresh buffers, flat_full by storage resize
-        with mock.patch.dict(BufferPool.REUSE, {"cpu": False}):
-            model = build_gpt(impl, mesh1d)
-            r = train(model, "no_buffer_pool", micro=MICRO, micro_setup=sync_off)
-        pooled = impl == "ours" and model._fsdp_unit.schedule.buffers.reuse
-        return (*r, {f"{impl}_pooled": pooled})
-    modes["no_buffer_pool"] = no_buffer_pool
-
-    def library_collectives(impl):  # NCCL's path on CPU: rank-major buffers, copy-out, _chunk_cat
-        with mock.patch.object(comm, "goes_point_to_point", lambda group, device: False):
-            model = build_gpt(impl, mesh1d)
-            r = train(model, "library_collectives", micro=MICRO, micro_setup=sync_off)
-        point_to_point = impl == "ours" and any(u.point_to_point for u in units_of(model))
-        return (*r, {f"{impl}_point_to_point": point_to_point})
-    modes["library_collectives"] = library_collectives
-
-    def gloo_messages(impl):  # one host, but the bytes go as gloo's messages, as between hosts
-        posted = []
-        with mock.patch.dict(comm._channels, {mesh1d.get_group(): None}), \
-                mock.patch.object(dist, "isend", recording(dist.isend, posted)):
-            r = train(build_gpt(impl, mesh1d), "gloo_messages", micro=MICRO, micro_setup=sync_off)
-        return (*r, {f"{impl}_messages": len(posted)})
-    modes["gloo_messages"] = gloo_messages
-
     bf16 = dict(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 
     @no_extra
@@ -594,12 +565,7 @@ def memory_checks(world, mesh1d):
     handle.wait()
     res["api_async_unshard"] = h0._fsdp_unit.state == "unsharded"
     h0.reshard()
-    res["pool"] = {n_layer: pool_checks(rank, mesh1d, n_layer) for n_layer in (4, 8)}
-    res["point_to_point"] = all(u.point_to_point for u in units_of(model))
-    res["shared_memory"] = comm._channels.get(mesh1d.get_group()) is not None
     res["collective_traces"] = collective_traces(rank, mesh1d)
-    res["message_posts"] = message_posts(rank, mesh1d)
-    res["collective_allocations"] = collective_allocations(world)
     return res
 
 
@@ -615,25 +581,8 @@ def profiled_events(fn):
     return events
 
 
-def collective_allocations(world, numel=2**16):
-    """The largest CPU allocation (bytes) one collective makes, ours and gloo's, from the profiler."""
-    group = dist.group.WORLD
-    shard, full = torch.ones(numel), torch.ones(world * numel)
-
-    def largest(collective):
-        collective()  # warm-up: gloo sets up its buffers on first use
-        events = profiled_events(collective)
-        return max((e["args"]["Bytes"] for e in events if e.get("name") == "[memory]"), default=0)
-
-    return {"shard_bytes": numel * 4, "full_bytes": world * numel * 4,
-            "ours_all_gather": largest(lambda: comm.all_gather([full.view(world, -1)], [shard], group).wait()),
-            "gloo_all_gather": largest(lambda: dist.all_gather_single(full, shard)),
-            "ours_reduce_scatter": largest(lambda: comm.reduce_scatter(shard, full, group).wait()),
-            "gloo_reduce_scatter": largest(lambda: dist.reduce_scatter_single(shard, full, op=dist.ReduceOp.AVG))}
-
-
 def collective_traces(rank, mesh1d):
-    """From the profiler, over a training step after the first (so the pooled buffers are there),
+    """From the profiler, over a training step after the first (past its one-time allocations),
     per unit: the memory its reduce-scatter holds, beyond what it held when it began, once it has
     allocated its output (the sharded grads); and which of the operators that copy a whole unit
     its reduce-scatter and its all-gathers' waits ran, on the training thread."""
@@ -660,58 +609,11 @@ def collective_traces(rank, mesh1d):
             net += e["args"]["Bytes"]
             if e["args"]["Bytes"] == shard_bytes:  # the output (its last allocation of that size)
                 held = net
-        report[unit.name] = {"held_at_output_bytes": held, "shard_bytes": shard_bytes, "copies": {
+        full_bytes = sum(math.prod(ps.shape) for ps in unit.params) * 4
+        report[unit.name] = {"held_at_output_bytes": held, "shard_bytes": shard_bytes, "full_bytes": full_bytes, "copies": {
             phase: sorted({e["name"] for e in inside(f"fsdp::{phase} {unit.name}") if e["name"] in copies})
             for phase in ("reduce_scatter", "all_gather_wait")}}
     return report
-
-
-def recording(fn, threads):
-    """fn, noting in `threads` the thread of every call."""
-    def wrapped(*args, **kwargs):
-        threads.append(threading.get_ident())
-        return fn(*args, **kwargs)
-    return wrapped
-
-
-def message_posts(rank, mesh1d):
-    """Which threads move a training step's bytes: with gloo's messages, the calls that post them
-    (dist.isend and dist.irecv); through shared memory, the transfers. On the training thread, and
-    on others."""
-    model = build_gpt("ours", mesh1d)
-    x, y = batch("memory", rank, 0, 0)
-    found, training = {}, threading.get_ident()
-    for transport in ("gloo", "shared_memory"):
-        threads = []
-        if transport == "gloo":
-            moves = [mock.patch.dict(comm._channels, {mesh1d.get_group(): None}),
-                     mock.patch.object(dist, "isend", recording(dist.isend, threads)),
-                     mock.patch.object(dist, "irecv", recording(dist.irecv, threads))]
-        else:
-            moves = [mock.patch.object(shm.Channels, "transfer", recording(shm.Channels.transfer, threads))]
-        with contextlib.ExitStack() as stack:
-            for move in moves:
-                stack.enter_context(move)
-            model(x, y)[1].backward()
-        found[transport] = {"training_thread": threads.count(training),
-                            "other_threads": len(threads) - threads.count(training)}
-    return found
-
-
-def pool_checks(rank, mesh1d, n_layer):
-    """Fresh buffers the root's pool allocates per step, and how many it holds after backward."""
-    model = build_gpt("ours", mesh1d, n_layer=n_layer)
-    allocated, held_after_backward = [0], []
-    for step in range(2):
-        x, y = batch("memory", rank, step, 0)
-        _, loss = model(x, y)
-        loss.backward()
-        pool = model._fsdp_unit.schedule.buffers  # the root's, created in the first forward
-        allocated.append(pool.allocations)
-        held_after_backward.append(sum(map(len, pool.free.values())))
-        model.zero_grad(set_to_none=True)
-    return {"fresh_per_step": [b - a for a, b in zip(allocated, allocated[1:])],
-            "held_after_backward": held_after_backward}
 
 
 # ---- flat layout vs FSDP2 -----------------------------------------------------------------

@@ -144,6 +144,12 @@ def test_an_unknown_key_in_a_file_is_an_error(defaults, capsys, tmp_path, text):
     assert "unknown config key 'foo'" in parse_error(defaults, capsys, write(tmp_path, text))
 
 
+@pytest.mark.parametrize("key", ["shared_memory", "malloc_mmap_threshold_mb", "malloc_trim", "compile_per_block"])
+def test_a_removed_setting_is_refused_like_any_unknown_key(defaults, capsys, key):
+    """Settings that served one machine's tuning are gone: an old command line naming one stops at once."""
+    assert parse_error(defaults, capsys, f"--{key}=1") == f"error: unknown config key '{key}'"
+
+
 def test_imports_helpers_and_private_names_in_a_file_are_not_settings(defaults, tmp_path):
     text = "import math\n_base = 4\ndef half(x):\n    return x / 2\nlearning_rate = half(math.sqrt(_base)) * 1e-3\n"
     assert parse(defaults, write(tmp_path, text))["learning_rate"] == 1e-3

@@ -167,7 +167,7 @@ def test_a_hung_rank_times_out_instead_of_hanging_the_job(args, tmp_path):
         os.kill(hung, signal.SIGCONT)
         code, _, err = finish(proc, 60)
         assert code != 0, err[-4000:]
-        assert "timed out" in err.lower(), err[-4000:]  # (gloo's "Timed out", or fsdp_impl's shared memory)
+        assert "timed out" in err.lower(), err[-4000:]  # (gloo's "Timed out")
     finally:
         for pid in [proc.pid, *children(proc.pid)]:  # on a failed assert: leave nothing stopped behind
             try:
@@ -405,7 +405,6 @@ def test_pruning_keeps_the_checkpoints_saved_last(tmp_path):
     (["--seed=-5"], "seed=-5 is outside 0..2**44-1"),
     (["--seed=17592186044416"], "seed=17592186044416 is outside 0..2**44-1"),  # (2**44: a traceback in the init)
     (["--out_dir="], "out_dir is empty"),  # (it passed the writable check, then failed creating '')
-    (["--malloc_mmap_threshold_mb=64"], "malloc_mmap_threshold_mb=64 is outside 0..32"),
     (["--block_size=200000"], "too few for block_size=200000"),  # (the val split has about 110,000)
     (["--device=tpu"], "unknown device 'tpu' (choose cpu, cuda or cuda:N)"),
     (["--grad_clip=-1.0"], "grad_clip=-1.0 is negative"),  # (it trained unclipped)
@@ -414,15 +413,13 @@ def test_pruning_keeps_the_checkpoints_saved_last(tmp_path):
     (["--dist_timeout_s=0"], "dist_timeout_s=0 must be at least 1"),
     (["--n_embd=0"], "n_embd=0 must be at least 1"),  # (0 divides by any n_head: it failed in the model)
     (["--dist_backend=custom_fsdp", "--replicate_degree=-2"], "replicate_degree=-2 must be at least 1"),
-    (["--compile_per_block=True"], "compile_per_block=True needs compile=True"),
-    (["--dist_backend=fsdp", "--compile_per_block=True"], "compile_per_block applies to ddp"),
     (["--out_dir={tmp}/a_file"], "out_dir {tmp}/a_file is a file, not a directory"),  # (it said "not writable")
     (["--backend=custom_fsdp"], "unknown backend 'custom_fsdp' (the process group's: nccl or gloo: "
                                 "for the distributed trainer, --dist_backend=custom_fsdp)")],  # (it trained DDP)
     ids=["accumulation", "eval_interval", "heads", "cuda", "decay_before_warmup_ends", "min_lr_above_peak",
-         "eval_only_without_batches", "negative_seed", "seed_past_64_bits", "empty_out_dir", "mmap_threshold_above_32",
+         "eval_only_without_batches", "negative_seed", "seed_past_64_bits", "empty_out_dir",
          "block_longer_than_the_data", "unknown_device", "negative_grad_clip", "dropout_of_one", "beta_above_one",
-         "no_timeout", "no_width", "no_replicas", "compile_per_block_alone", "compile_per_block_sharded",
+         "no_timeout", "no_width", "no_replicas",
          "out_dir_a_file", "process_group_backend"])
 def test_impossible_settings_are_refused(args, tmp_path, setting, named):
     if "cuda" in setting[0] and __import__("torch").cuda.is_available():

@@ -334,8 +334,7 @@ def test_compile_matches_eager(runs_a, tiny_args, tmp_path, wrap_policy):
 # each script changes what it varies (dict(SETTINGS, compile=True))
 SETTINGS_PRELUDE = """
 SETTINGS = dict(device="cpu", dtype="float32", compile=False, cpu_offload=False, replicate_degree=1,
-                wrap_policy="block", min_wrap_params=1, reshard_after_forward=True, prefetch=True,
-                shared_memory=True, compile_per_block=False)
+                wrap_policy="block", min_wrap_params=1, reshard_after_forward=True, prefetch=True)
 """
 
 WRAP_AND_REPORT_GRAPHS = SETTINGS_PRELUDE + """
@@ -368,32 +367,6 @@ def test_compile_graphs_follow_the_units(wrap_policy, expected):
     res = launch([sys.executable, "-c", WRAP_AND_REPORT_GRAPHS, wrap_policy], timeout=120)
     assert res.returncode == 0, res.describe()
     assert res.stdout.strip().splitlines()[-1] == expected
-
-
-DDP_GRAPHS_AND_LOSS = SETTINGS_PRELUDE + """
-import torch
-from backends import make_backend
-from model import GPT, GPTConfig
-def built(per_block):
-    with torch.device("meta"):
-        gpt = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=64, dropout=0.0, bias=False))
-    back = make_backend("ddp", dict(SETTINGS, compile=True, compile_per_block=per_block))
-    return back.wrap(gpt, lambda m: m.init_weights(0))
-model, whole = built(True), built(False)
-compiled = lambda f: hasattr(f, "_torchdynamo_orig_callable")
-x = torch.randint(64, (2, 16), generator=torch.Generator().manual_seed(0))
-(_, loss), (_, whole_loss) = model(x, x), whole(x, x)
-print(model._compiled_call_impl is not None, [compiled(b.forward) for b in model.transformer.h],
-      compiled(model.logits_and_loss), whole._compiled_call_impl is not None, abs(loss.item() - whole_loss.item()) < 1e-5)
-"""
-
-
-def test_ddp_compiles_per_block_when_asked():
-    """compile_per_block=True: DDP's blocks and its output layer with the loss compile one by one, as the
-    sharded backends' with a unit per block, not the whole model; the loss is the whole graph's."""
-    res = launch([sys.executable, "-c", DDP_GRAPHS_AND_LOSS], timeout=300)
-    assert res.returncode == 0, res.describe()
-    assert res.stdout.strip().splitlines()[-1] == "False [True, True] True True True"
 
 
 # the start of a script run with a backend's name: that backend's 2-block GPT and AdamW, built as

@@ -1,10 +1,9 @@
 """
 How much communication a profiler trace hid under compute, step by step, for any backend.
 
-    python -m fsdp_impl.overlap out/traces/custom_fsdp/rank0.json [more traces ...]
+    python overlap.py out/traces/custom_fsdp/rank0.json [more traces ...]
 
-Communication: on CPU, collective events (gloo's worker-thread ranges, and fsdp_impl's shared-memory
-transfers on its posting thread); on GPU, NCCL kernels, copies between CPU and GPU memory (CPU
+Communication: on CPU, collective events (gloo's worker-thread ranges); on GPU, NCCL kernels, copies between CPU and GPU memory (CPU
 offload's traffic, and the batch's few bytes) and every kernel off the compute stream (the stream
 with the most kernel time), such as the casts FSDP2 runs on its copy-in stream. Compute: the
 compute stream's other kernels; on CPU, the time the training thread (the one that runs
@@ -18,7 +17,7 @@ blocked it: which unit's all-gather or reduce-scatter to look at), on GPU the co
 import json
 import sys
 
-COMM_MARKS = ("gloo:", "shm:", "nccl:", "ncclKernel", "ncclDevKernel")
+COMM_MARKS = ("gloo:", "nccl:", "ncclKernel", "ncclDevKernel")
 TOP_PLACES = 3  # how many places of exposed communication are listed (here and in bench.py)
 BLOCKING = ("wait", "c10d::", "FSDP::all_gather", "FSDP::post_backward_reduce")
 
@@ -173,7 +172,7 @@ def load(path):
 
 if __name__ == "__main__":
     if len(sys.argv) < 2:
-        raise SystemExit("usage: python -m fsdp_impl.overlap TRACE [TRACE ...]   (--profile=True writes them)")
+        raise SystemExit("usage: python overlap.py TRACE [TRACE ...]   (--profile=True writes them)")
     for path in sys.argv[1:]:
         trace = load(path)
         rows = analyse(trace)
