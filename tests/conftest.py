@@ -1,6 +1,7 @@
 """Shared fixtures and helpers for the tests that launch train.py (and friends) as subprocesses."""
 import json
 import os
+import random
 import shutil
 import signal
 import subprocess
@@ -13,13 +14,12 @@ import pytest
 from spawn import free_port
 
 REPO = Path(__file__).resolve().parents[1]
-SHARED_INPUT = REPO.parent / "shared" / "data" / "tinyshakespeare" / "input.txt"
 
 # a model small enough that a whole run is dominated by process start-up
 TINY = ["--n_layer=2", "--n_head=2", "--n_embd=32", "--block_size=32", "--batch_size=4",
         "--eval_iters=2", "--log_interval=1", "--compile=False", "--dropout=0.0", "--dtype=float32"]
 
-TRAIN_KEYS = {"iter", "loss", "grad_norm", "lr", "dt_ms", "tokens_per_sec", "mfu", "peak_mem_mb", "page_faults", "cpu_ms"}
+TRAIN_KEYS = {"iter", "loss", "grad_norm", "lr", "dt_ms", "tokens_per_sec", "mfu", "peak_mem_mb"}
 
 
 class RunResult(NamedTuple):
@@ -118,14 +118,60 @@ def clone_checkpoint(src_out, ckpt_iter, dst_out):
     return dst_out
 
 
+# the generated corpus's words and speakers: together they spell tiny Shakespeare's 65 characters
+# (letters, digit 3, newline, space and !$&',-.:;?), so that the tests that size a model by the
+# character vocabulary (65 rows) and the prompts they sample from ("ROMEO:") hold on it
+WORDS = ("a", "be", "come", "do", "even", "fair", "good", "heart", "if", "joy", "king", "love", "my", "night",
+         "of", "poor", "queen", "rest", "sweet", "thou", "upon", "villain", "what", "vex", "yet", "zeal",
+         "the", "and", "to", "is", "not", "with", "'tis", "o'er", "well-met", "&c", "3", "$3")
+SPEAKERS = ("ROMEO", "JULIET", "KING HENRY", "QUEEN", "FALSTAFF", "BUCKINGHAM", "PAULINA", "VOLUMNIA",
+            "WARWICK", "EXTON", "YORK", "ZANY", "DUCHESS", "GLOUCESTER")
+
+
+def make_corpus(path, size=200_000, seed=1337):
+    """Write a play-shaped text of about `size` characters to `path` and return it: speeches of
+    words drawn from WORDS. random.Random, not numpy: the same text on every machine and version."""
+    rng = random.Random(seed)
+    speeches, n = [], 0
+    while n < size:
+        lines = [rng.choice(SPEAKERS) + ":"]
+        for _ in range(rng.randint(1, 4)):
+            words = [rng.choice(WORDS) + (rng.choice(",,,;:") if rng.random() < 0.1 else "")
+                     for _ in range(rng.randint(3, 10))]
+            lines.append(" ".join(words).capitalize().rstrip(",;:") + rng.choice("..,;!?"))
+        speeches.append("\n".join(lines) + "\n\n")
+        n += len(speeches[-1])
+    text = "".join(speeches)
+    Path(path).write_bytes(text.encode("ascii"))  # (bytes: no newline translation)
+    return text
+
+
+# GPT-2's first merges: the tiny BPE's tokens are GPT-2's first 268, with the same ids
+TINY_MERGES = ("Ġ t", "Ġ a", "h e", "i n", "r e", "o n", "Ġt he", "e r", "Ġ s", "a t", "Ġ w", "Ġ o")
+
+
+def write_tiny_bpe(folder):
+    """GPT-2-format vocab.bpe and encoder.json in `folder` (for GPT2_BPE_DIR): the 256 byte tokens,
+    each spelled as GPT-2's files spell it (the printable bytes but space as themselves, then the
+    others as chr(256), chr(257), ...), then TINY_MERGES; returns `folder`."""
+    printable = [chr(b) for b in range(256) if chr(b).isprintable() and chr(b) != " "]
+    tokens = printable + [chr(256 + n) for n in range(256 - len(printable))] + [m.replace(" ", "") for m in TINY_MERGES]
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "vocab.bpe").write_text("#version: 0.2\n" + "".join(m + "\n" for m in TINY_MERGES), encoding="utf-8")
+    ids = {t: i for i, t in enumerate(tokens)}
+    (folder / "encoder.json").write_text(json.dumps({**ids, "<|endoftext|>": len(ids)}), encoding="utf-8")
+    return folder
+
+
 @pytest.fixture(scope="session")
 def char_data(tmp_path_factory):
-    """Character-level tiny Shakespeare, prepared once per session."""
-    if not SHARED_INPUT.exists():
-        pytest.skip(f"offline data not found at {SHARED_INPUT}")
-    out = tmp_path_factory.mktemp("shakespeare_char")
+    """The generated corpus, character-level, prepared once per session by data/shakespeare_char/prepare.py."""
+    corpus = tmp_path_factory.mktemp("corpus") / "input.txt"
+    make_corpus(corpus)
+    out = tmp_path_factory.mktemp("char_data")
     res = launch([sys.executable, REPO / "data" / "shakespeare_char" / "prepare.py",
-                  "--input", SHARED_INPUT, "--out_dir", out], timeout=300)
+                  "--input", corpus, "--out_dir", out], timeout=300)
     assert res.returncode == 0, res.describe()
     return out
 

@@ -52,7 +52,7 @@ def test_offloaded_copies_run_beside_the_compute_stream(worker):
 @pytest.fixture(scope="module")
 def data_dir(request):
     """The character-level data: where data/shakespeare_char/prepare.py writes it by default, or
-    prepared here from the shared copy of the text."""
+    prepared here from the generated corpus (conftest's char_data)."""
     here = REPO / "data" / "shakespeare_char"
     if (here / "train.bin").exists():
         return here

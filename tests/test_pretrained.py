@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from conftest import REPO, TINY, launch, one_error_line, run_train
+from conftest import REPO, TINY, launch, one_error_line, run_train, write_tiny_bpe
 
 sys.path.insert(0, str(REPO))
 from model import GPT, from_hf_gpt2  # noqa: E402
@@ -66,13 +66,13 @@ def test_training_starts_from_the_pretrained_weights(backend, nproc, hf_cache, c
         assert torch.equal(p, state[name]), name
 
 
-def test_sample_continues_a_prompt_with_the_pretrained_model(hf_cache):
-    tiktoken_cache = REPO.parent / "shared" / "data" / "tiktoken_cache"
-    if not tiktoken_cache.exists():
-        pytest.skip(f"GPT-2's BPE files not found at {tiktoken_cache}")
+def test_sample_continues_a_prompt_with_the_pretrained_model(hf_cache, tmp_path):
+    """The prompt goes through GPT-2's BPE, here a tiny one in GPT2_BPE_DIR (its ids are GPT-2's
+    first 268); tiktoken's own files are neither cached nor reachable."""
+    env = {**hf_cache, "GPT2_BPE_DIR": str(write_tiny_bpe(tmp_path / "bpe")), "TIKTOKEN_CACHE_DIR": str(tmp_path / "empty"),
+           "HTTPS_PROXY": "http://127.0.0.1:9", "HTTP_PROXY": "http://127.0.0.1:9"}
     res = launch([sys.executable, REPO / "sample.py", "--init_from=gpt2", "--device=cpu", "--num_samples=1",
-                  "--max_new_tokens=5", "--start=To be or not"], timeout=300,
-                 env={**hf_cache, "TIKTOKEN_CACHE_DIR": str(tiktoken_cache)})
+                  "--max_new_tokens=5", "--start=To be or not"], timeout=300, env=env)
     assert res.returncode == 0 and res.stdout.startswith("To be or not"), res.describe()
 
 

@@ -6,7 +6,8 @@ checkpoints. No meta.pkl: the vocab is GPT-2's (50257), which train.py assumes.
     python data/shakespeare/prepare.py --input PATH    # offline: use a local copy
 
 tiktoken fetches its BPE files on first use; offline, point TIKTOKEN_CACHE_DIR
-at a folder that already holds them.
+at a folder that already holds them, or GPT2_BPE_DIR at a folder that holds
+GPT-2's vocab.bpe and encoder.json (see data/gpt2_bpe.py).
 """
 import argparse
 import os
