@@ -2,6 +2,7 @@
 is one line naming it, and config/train_gpt2.py trains what its header says at the world sizes
 the README and scripts/slurm.sh launch. Almost everything runs configurator.apply in-process
 against train.py's real defaults; two cases go through train.py to show the exit end to end."""
+import re
 import sys
 
 import pytest
@@ -142,6 +143,15 @@ def test_a_missing_config_file_is_one_line_naming_it(defaults, capsys, tmp_path)
 @pytest.mark.parametrize("text", ["foo = 1\n", "foo = [1, 2]\n", "foo = None\n"])
 def test_an_unknown_key_in_a_file_is_an_error(defaults, capsys, tmp_path, text):
     assert "unknown config key 'foo'" in parse_error(defaults, capsys, write(tmp_path, text))
+
+
+def test_readme_settings_table_lists_every_setting(defaults):
+    """README's settings table is where users look a key up: each of train.py's settings has a row."""
+    text = (REPO / "README.md").read_text()
+    table = text[text.index("## Settings"):text.index("\n## ", text.index("## Settings") + 1)]
+    listed = {key for row in table.splitlines() if row.startswith("| `") for key in re.findall(r"`(\w+)`", row.split("|")[1])}
+    settings = {k for k, v in defaults.items() if not k.startswith("_") and isinstance(v, (int, float, bool, str))}
+    assert settings - listed == set() and listed - settings == set()
 
 
 @pytest.mark.parametrize("key", ["shared_memory", "malloc_mmap_threshold_mb", "malloc_trim", "compile_per_block"])
