@@ -68,7 +68,7 @@ def write(tmp_path, text):
     ("max_iters = True\n", ["max_iters", "int", "True"]),  # a bool is not an int
     ("compile = 1\n", ["compile", "bool", "1"]),
     ("learning_rate = '3e-4'\n", ["learning_rate", "float", "'3e-4'"]),
-    ("batch_size = None\n", ["batch_size", "int", "None"]),  # used to be skipped silently
+    ("batch_size = None\n", ["batch_size", "int", "None"]),  # (not skipped silently)
     ("dataset = ['a']\n", ["dataset", "str"]),
 ])
 def test_config_file_values_are_type_checked(defaults, capsys, tmp_path, text, words):

@@ -148,7 +148,7 @@ def test_the_input_gate_keeps_containers_and_overlap(report):
 
 def test_a_late_unshard_handle_wait_gathers_nothing(report):
     """wait() on an unshard handle whose gather the forward already used and freed does nothing: it
-    used to gather the block again and leave it gathered (its DTensors unregistered)."""
+    must not gather the block again and leave it gathered (its DTensors unregistered)."""
     r = report["late_unshard_handle_wait"]
     assert r["fsdp2"]["sharded_after_wait"], r  # the reference behaviour
     assert r["ours"]["sharded_after_wait"], "the late wait gathered blocks.0 again"

@@ -132,6 +132,15 @@ def test_parity_one_microbatch_per_rank(runs_a):
     assert_close(norms["single"], norms["ddp"], 1e-6, "grad_norm single vs ddp", relative=True)
 
 
+def test_deterministic_kernels_keep_the_backends_bitwise(runs_a, tiny_args, tmp_path):
+    """--deterministic=True picks deterministic kernels and math attention (the bits a GPU suite
+    compares): both sharded backends still agree bit for bit, and with the default kernels to 1e-5."""
+    for backend in ("fsdp", "custom_fsdp"):
+        train_ok(tmp_path / backend, 2, *tiny_args, *CONFIG_A, f"--dist_backend={backend}", "--deterministic=True")
+    assert_bitwise(losses(tmp_path / "custom_fsdp"), losses(tmp_path / "fsdp"), "deterministic custom_fsdp vs fsdp")
+    assert_close(losses(tmp_path / "custom_fsdp"), losses(runs_a["custom_fsdp"]), 1e-5, "deterministic vs default")
+
+
 def test_parity_two_microbatches_per_rank_with_clipping(runs_b):
     ref = losses(runs_b["single"])
     assert sorted(ref) == list(range(8))
@@ -466,7 +475,7 @@ def test_sharded_backends_adamw_steps_the_local_shards_to_adamws_bits(backend, s
     and every state tensor equal, bit for bit, those of a copy stepped by torch's AdamW, over four
     steps at two ranks with the lr changing, with train.py's settings and with amsgrad and
     maximize on; its step hooks run; and once the state exists a step builds no DTensor spec
-    (through DTensor's dispatch it would: MEASUREMENTS.md, eighth GPU round)."""
+    (through DTensor's dispatch it would)."""
     res = launch(launcher(2) + ["-c", STEP_AGAINST_ADAMW, backend, settings], timeout=120)
     assert res.returncode == 0, res.describe()
     name, n_params, same_params, same_state, moved, hooks, specs = res.stdout.strip().splitlines()[-1].split()
@@ -574,9 +583,9 @@ def test_unknown_config_key_in_file(tiny_args, tmp_path):
 
 
 def test_eval_iters_zero_skips_evaluation(tiny_args, tmp_path):
-    """eval_iters=0: no evaluation rows (it used to log a NaN validation loss), and checkpoints
-    are saved at every eval_interval even with always_save_checkpoint off: with no validation
-    loss, none could count as improved, and the run used to save nothing."""
+    """eval_iters=0: no evaluation rows (not a NaN validation loss), and checkpoints are saved at
+    every eval_interval even with always_save_checkpoint off: with no validation loss, none could
+    count as improved, and the run would save nothing."""
     res = run_train(tmp_path / "o", None, *tiny_args, "--max_iters=2", "--eval_iters=0", "--eval_interval=1",
                     "--always_save_checkpoint=False")
     assert res.returncode == 0, res.describe()
