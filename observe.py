@@ -169,7 +169,7 @@ class Observer:
             self.profiler = torch.profiler.profile(activities=acts, record_shapes=mem, profile_memory=mem,
                                                    with_stack=mem, experimental_config=threads)
             self.profiler.start()
-        if self.profiler is not None:  # (the range name is the one fsdp_impl.overlap reads)
+        if self.profiler is not None:  # (the range name is the one overlap.py reads)
             self.step_range = torch.profiler.record_function(f"ProfilerStep#{self.steps}")
             self.step_range.__enter__()
 

@@ -1,10 +1,13 @@
 """bench.py and the trace analyser, checked without timing: synthetic traces with known overlap,
-table fields on synthetic metrics, and collective bytes per step against the formula."""
+table fields and markdown on synthetic metrics, and collective bytes per step against the formula;
+and what train.py records for them (traces, memory, host time)."""
 import json
 import math
 import os
 import subprocess
 import sys
+import re
+import shlex
 import time
 
 import pytest
@@ -13,7 +16,7 @@ from unittest import mock
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import bench  # noqa: E402
 from conftest import REPO, TINY, launch, run_train  # noqa: E402
-from fsdp_impl import overlap  # noqa: E402
+import overlap  # noqa: E402
 
 
 def op(name, ts, dur, tid=1, cat="cpu_op"):
@@ -125,8 +128,7 @@ def test_summarize_run_fields_and_medians():
     rows = [{"iter": 0, "train_loss": 4.0, "val_loss": 4.1}]
     rows += [{"iter": i, "loss": 4.0 - i / 10, "grad_norm": 1.0, "lr": 1e-3, "dt_ms": dt,
               "tokens_per_sec": 1000.0 / dt, "mfu": None, "peak_mem_mb": 100.0,
-              "host_ms": {"batch": dt / 20, "forward_backward": dt / 2, "clip": 1.0, "optimizer": dt / 10}, "page_faults": 3 * dt,
-              "cpu_ms": 2 * dt}
+              "host_ms": {"batch": dt / 20, "forward_backward": dt / 2, "clip": 1.0, "optimizer": dt / 10}}
              for i, dt in enumerate([900.0, 500.0, 10.0, 30.0, 20.0])]
     rows += [{"event": "memory", "stage": "after first step", "rss_mb": 300.0, "params_mb": 2.0, "grads_mb": 2.0, "optim_mb": 4.0},
              {"event": "memory", "stage": "after last step", "rss_mb": 321.0, "params_mb": 2.0, "grads_mb": 1.5, "optim_mb": 4.0},
@@ -137,11 +139,12 @@ def test_summarize_run_fields_and_medians():
     assert s["tokens_per_sec"] == pytest.approx(1000.0 / 20.0)
     assert s["mfu"] is None and s["peak_mem_mb"] == 321.0 and s["state_mb"] == 7.5  # params, grads, AdamW
     assert s["all_gather_mb"] == 2.0 and s["reduce_scatter_mb"] == 1.0 and s["all_reduce_mb"] == 4.0 / 2**20
+    assert s["comm_mb"] == 3.0 + 4.0 / 2**20  # the three summed: the table's comm MB/step
     # ddp's gradient all-reduce, which the counter cannot see, is its gradients' size (the loss's beside it)
-    assert bench.summarize_run(rows, "ddp")["all_reduce_mb"] == 1.5 + 4.0 / 2**20
+    ddp = bench.summarize_run(rows, "ddp")
+    assert ddp["all_reduce_mb"] == 1.5 + 4.0 / 2**20 and ddp["comm_mb"] == 4.5 + 4.0 / 2**20
     assert s["loss"] == pytest.approx(3.6)
     assert s["host_ms"] == {"batch": 1.0, "forward_backward": 10.0, "clip": 1.0, "optimizer": 2.0}  # medians per phase
-    assert s["page_faults"] == 60.0 and s["cpu_ms"] == 40.0
     runs = [s, s | {"step_ms": 40.0, "host_ms": {"batch": 1.5, "forward_backward": 30.0, "clip": 3.0, "optimizer": 4.0}}, s]
     assert bench.median_of(runs)["step_ms"] == 20.0 and bench.median_of(runs)["host_ms"]["optimizer"] == 2.0
 
@@ -161,8 +164,8 @@ def test_mfu_divides_by_the_peak_of_the_runs_dtype(device, dtype, peak):
 def test_tokens_per_sec_and_mfu_describe_the_median_step():
     """With an even count the median averages the middle two: 20 and 40 ms give 30 ms, and the
     median of 50 and 25 tokens/s (37.5) would not be 1000 / 30. Every figure is the median step's."""
-    rows = [{"iter": i, "loss": 1.0, "dt_ms": dt, "tokens_per_sec": 1000.0 / dt, "mfu": 0.6 / dt,
-             "host_ms": {}, "page_faults": 0, "cpu_ms": 0.0} for i, dt in enumerate([900.0, 500.0, 20.0, 40.0])]
+    rows = [{"iter": i, "loss": 1.0, "dt_ms": dt, "tokens_per_sec": 1000.0 / dt, "mfu": 0.6 / dt, "host_ms": {}}
+            for i, dt in enumerate([900.0, 500.0, 20.0, 40.0])]
     rows += [{"event": "memory", "stage": "after last step", "rss_mb": 1.0, "params_mb": 0, "grads_mb": 0, "optim_mb": 0},
              {"event": "comm_per_step", "all_gather_bytes": 0, "reduce_scatter_bytes": 0, "all_reduce_bytes": 0}]
     s = bench.summarize_run(rows, "fsdp")
@@ -173,70 +176,120 @@ def test_tokens_per_sec_and_mfu_describe_the_median_step():
     assert m["step_ms"] == 45.0 and m["tokens_per_sec"] == pytest.approx(1000.0 / 45.0) and m["mfu"] == pytest.approx(0.6 / 45.0)
 
 
+def test_median_of_takes_each_host_phase_median_over_repeats():
+    """The per-phase CPU times are medians over repeats too, not the first repeat's."""
+    def run(step_ms, fb, clip):
+        return {"step_ms": step_ms, "tokens_per_sec": 1e3 / step_ms, "mfu": None, "reserved_mb": None,
+                "host_ms": {"batch": 0.1, "forward_backward": fb, "clip": clip, "optimizer": 1.0}}
+    m = bench.median_of([run(50.0, 40.0, 9.0), run(20.0, 10.0, 1.0), run(30.0, 20.0, 2.0)])
+    assert m["host_ms"] == {"batch": 0.1, "forward_backward": 20.0, "clip": 2.0, "optimizer": 1.0}
+    assert m["step_ms"] == 30.0 and m["reserved_mb"] is None
+
+
+def table_row(step_ms=30.0, peak=9000.0, reserved=None, comm=(1.0, 1.0, 0.0), exposed=None, hidden=None,
+              by_place=None, mfu=None):
+    """A row of bench_backends' table, as median_of and the profiled run make it."""
+    ag, rs, ar = comm
+    return {"step_ms": step_ms, "tokens_per_sec": 1e5 / step_ms, "mfu": mfu, "peak_mem_mb": peak,
+            "reserved_mb": reserved, "state_mb": 10.0, "all_gather_mb": ag, "reduce_scatter_mb": rs,
+            "all_reduce_mb": ar, "comm_mb": ag + rs + ar, "loss": 2.0,
+            "host_ms": {"batch": 0.2, "forward_backward": step_ms / 3, "clip": 0.5, "optimizer": peak / 3000},
+            "exposed_comm_ms": exposed, "comm_ms": None, "hidden_fraction": hidden, "exposed_by_place": by_place}
+
+
+def test_table_has_the_five_figures_with_ratios_then_the_paired_line():
+    """The default output: one table (step ms, tokens/s, peak MB, comm MB/step, exposed comm ms, each
+    with its ratio to the first row) and one line of the paired per-repeat ratios, median and range."""
+    table = {"ddp": table_row(30.0, 9000.0, comm=(0.0, 0.0, 12.0), exposed=4.0),
+             "fsdp": table_row(39.3, 8100.0, comm=(12.0, 12.0, 0.0), exposed=6.0),
+             "custom_fsdp": table_row(28.5, 7200.0, comm=(12.0, 12.0, 1e-6), exposed=None)}
+    paired = {"fsdp": [1.28, 1.31, 1.35], "custom_fsdp": [0.99, 1.02, 1.05]}
+    header, ddp, fsdp, ours, line = bench.main_lines(table, paired)
+    assert [c.strip() for c in header.split(" | ")] == ["backend", "step ms", "tokens/s", "peak MB", "comm MB/step",
+                                                         "exposed comm ms"]
+    assert [c.strip() for c in ours.split(" | ")] == ["custom_fsdp", "28.5 (0.95x)", "3,509 (1.05x)", "7,200 (0.80x)",
+                                                       "24.0 (2.00x)", "-"]
+    assert [c.strip() for c in fsdp.split(" | ")][-1] == "6.0 (1.50x)" and ddp.split(" | ")[1].strip() == "30.0 (1.00x)"
+    assert line == ("step time vs ddp, each repeat's run beside it: fsdp 1.31x (1.28x-1.35x), "
+                    "custom_fsdp 1.02x (0.99x-1.05x)")
+    assert len({len(row) for row in (header, ddp, fsdp, ours)}) == 1  # (aligned)
+    # one repeat: its ratio, no range; one row: nothing to pair
+    assert bench.main_lines(table, {"fsdp": [1.3], "custom_fsdp": [0.9]})[-1].endswith("fsdp 1.30x, custom_fsdp 0.90x")
+    assert len(bench.main_lines({"ddp": table["ddp"]}, {})) == 2
+
+
+def test_table_gives_no_ratio_against_a_figure_that_prints_as_zero():
+    """A one-rank run communicates a few scalar all-reduces: 0.0 MB, no ratio of one 0.0 to another."""
+    lines = bench.main_lines({"fsdp": table_row(comm=(0.0, 0.0, 1e-6)), "ddp": table_row(comm=(0.0, 0.0, 2e-6))}, {})
+    assert lines[2].split(" | ")[4].strip() == "0.0"
+
+
+def test_every_line_fits_120_columns_also_with_long_rows():
+    """Rows with their own settings make long names: a name the figures leave no room for goes on a
+    line of its own, above its figures; the paired line wraps; so do --detail's lines."""
+    long = "custom_fsdp:reshard_after_forward=False:prefetch=False:wrap_policy=block"
+    by_place = {f"fsdp::reduce_scatter_wait transformer.h.{i}": 9.75 - i for i in range(3)} | {"12 other places": 7.0}
+    table = {"ddp": table_row(123456.7, 812345.0, reserved=900000.0, comm=(0.0, 0.0, 12345.6), exposed=1234.5,
+                              hidden=0.5, mfu=0.4),
+             long: table_row(98765.4, 712345.0, reserved=800000.0, comm=(12345.6, 12345.6, 0.0), exposed=2345.6,
+                             hidden=0.9, by_place=by_place, mfu=0.45),
+             "fsdp": table_row(99999.9, 701234.0, reserved=750000.0, comm=(12345.6, 12345.6, 0.0), exposed=3000.0,
+                               hidden=0.8, by_place=by_place, mfu=0.44)}
+    paired = {long: [0.8, 0.81, 0.79, 0.8, 0.82, 0.8, 0.8, 0.79, 0.8], "fsdp": [0.8] * 9}
+    main, detail = bench.main_lines(table, paired), bench.detail_lines(table, paired)
+    assert max(map(len, main + detail)) <= 120, "\n".join(line for line in main + detail if len(line) > 120)
+    assert long in main and main[main.index(long) + 1].split(" | ")[0].strip() == ""  # its figures below it
+    assert len({len(line) for line in main[:main.index(long)] + main[main.index(long) + 1:-2]}) == 1  # (aligned)
+    assert main[main.index(long) + 1].split(" | ")[1].strip() == "98,765.4 (0.80x)"
+    paired_line = " ".join(" ".join(main[-2:]).split())  # (wrapped in two, the second indented)
+    assert main[-1].startswith("  ") and paired_line.startswith(
+        f"step time vs ddp, each repeat's run beside it: {long} 0.80x (0.79x-0.82x), fsdp 0.80x")
+
+
 @pytest.mark.parametrize("cuda", [True, False])
-def test_table_prints_ratios_and_reserved_memory_on_cuda(cuda, capsys):
-    def row(step_ms, peak, reserved, all_reduce_mb):
-        return {"step_ms": step_ms, "tokens_per_sec": 1e5 / step_ms, "peak_mem_mb": peak, "state_mb": 10.0,
-                "reserved_mb": reserved if cuda else None, "all_gather_mb": 0.0, "reduce_scatter_mb": 0.0,
-                "all_reduce_mb": all_reduce_mb, "exposed_comm_ms": None, "hidden_fraction": None, "mfu": None,
-                "exposed_by_place": None,
-                "host_ms": {"batch": 0.2, "forward_backward": step_ms / 3, "clip": 0.5, "optimizer": peak / 3000},
-                "page_faults": peak / 3, "cpu_ms": step_ms * 2}
-    bench.print_table({"ddp": row(30.0, 9000.0, 9500.0, 1e-6), "custom_fsdp:wrap_policy=model": row(28.5, 8100.0, 8550.0, 2e-6)})
-    header, base, ours, base_host, our_host, sizes_note, ddp_note = capsys.readouterr().out.splitlines()
-    assert ("reserved MB" in header) == cuda
-    assert ours.startswith("custom_fsdp:wrap_policy=model |") and "28.5 (0.95x)" in ours and "8,100.0 (0.90x)" in ours
-    assert ("8,550.0 (0.90x)" in ours) == cuda
-    assert "(2.00x)" not in ours  # no ratio between two figures that print as 0.0
-    assert base_host == ("ddp: training-thread CPU ms per step: batch 0.2 (1.00x), forward_backward 10.0 (1.00x), clip 0.5 (1.00x), "
-                         "optimizer 3.0 (1.00x); rank 0's process (all threads) CPU ms per step 60.0 (1.00x), "
-                         "page faults per step 3,000")
-    assert our_host.endswith("forward_backward 9.5 (0.95x), clip 0.5 (1.00x), optimizer 2.7 (0.90x); rank 0's "
-                             "process (all threads) CPU ms per step 57.0 (0.95x), page faults per step 2,700")
-    assert sizes_note.startswith("AG and RS MB/step: the size of each all-gather's output")
-    assert ddp_note.startswith("ddp's AR MB/step: its gradients")
+def test_detail_adds_memory_each_collective_host_time_and_the_notes(cuda):
+    def row(*args, reserved, **kwargs):  # (CUDA's caching allocator reserves; a CPU run has no such figure)
+        return table_row(*args, reserved=reserved if cuda else None, **kwargs)
+    table = {"ddp": row(30.0, 9000.0, reserved=9500.0, comm=(0.0, 0.0, 12.0), hidden=0.0, mfu=0.25),
+             "custom_fsdp": row(28.5, 8100.0, reserved=8550.0, comm=(3.0, 2.0, 0.0), hidden=0.9,
+                                by_place={"fsdp::reduce_scatter_wait h.0": 9.75, overlap.OUTSIDE: 1.25}),
+             "fsdp": row(33.0, 8100.0, reserved=8550.0, comm=(3.0, 2.0, 0.0), by_place={})}
+    lines = bench.detail_lines(table, {"custom_fsdp": [0.9, 1.1, 1.0], "fsdp": [1.1, 1.1, 1.2]})
+    header = next(line for line in lines if "AG MB/step" in line)
+    assert ("reserved MB" in header) == cuda and "params+grads+optim MB" in header and "RS MB/step" in header
+    ours = [c.strip() for c in next(line for line in lines if line.startswith("custom_fsdp |")).split(" | ")]
+    assert ours[1:] == ["8,550.0 (0.90x)"] * cuda + ["10.0 (1.00x)", "3.0", "2.0", "0.0 (0.00x)", "90%", "-"]
+    ddp = [c.strip() for c in next(line for line in lines if line.startswith("ddp ")).split(" | ")]
+    assert ddp[-2:] == ["0%", "25.0%"]  # (a hidden fraction of zero is 0%, not '-')
+    assert next(line for line in lines if line.startswith("fsdp ")).split(" | ")[-2].strip() == "-"
+    host = lines[lines.index("the training thread's CPU time per step, ms, by phase (train.py's host_ms):") + 1:][:4]
+    assert [c.strip() for c in host[0].split(" | ")] == ["backend", *bench.HOST_PHASES]
+    assert [c.strip() for c in host[2].split(" | ")] == ["custom_fsdp", "0.2 (1.00x)", "9.5 (0.95x)", "0.5 (1.00x)",
+                                                          "2.7 (0.90x)"]
+    assert "  custom_fsdp: fsdp::reduce_scatter_wait h.0 9.8, (outside any range) 1.2" in lines
+    assert not any(line.startswith("  fsdp: fsdp::") for line in lines)  # nothing exposed: no line
+    assert "  custom_fsdp: 0.90x 1.10x 1.00x" in lines and "  fsdp: 1.10x 1.10x 1.20x" in lines
+    assert any(line.startswith("AG and RS MB/step: the size of each all-gather's output") for line in lines)
+    assert any(line.startswith("ddp's AR MB/step: its gradients") for line in lines)
+    without_ddp = bench.detail_lines({b: r for b, r in table.items() if b != "ddp"}, {})
+    assert not any(line.startswith("ddp's AR") for line in without_ddp)  # (no ddp row: no ddp note)
 
 
-def test_table_says_where_exposed_communication_went(capsys):
-    row = {"step_ms": 30.0, "tokens_per_sec": 1.0, "peak_mem_mb": 1.0, "state_mb": 1.0, "reserved_mb": None,
-           "all_gather_mb": 1.0, "reduce_scatter_mb": 1.0, "all_reduce_mb": 0.0, "exposed_comm_ms": 12.0,
-           "hidden_fraction": 0.9, "mfu": None, "host_ms": {p: 1.0 for p in bench.HOST_PHASES}, "page_faults": 0,
-           "cpu_ms": 1.0, "exposed_by_place": {"fsdp::reduce_scatter_wait h.0": 9.75, overlap.OUTSIDE: 1.25}}
-    bench.print_table({"custom_fsdp": row, "fsdp": row | {"exposed_by_place": {}}})
-    lines = capsys.readouterr().out.splitlines()
-    assert lines[-2] == ("custom_fsdp: exposed communication ms per step, by where it went: "
-                         "fsdp::reduce_scatter_wait h.0 9.8, (outside any range) 1.2")
-    assert not any(line.startswith("ddp's AR") for line in lines)  # (no ddp row: no ddp note)
-    assert not any(line.startswith("fsdp: exposed") for line in lines)  # nothing exposed: no line
-
-
-def test_paired_ratios_divide_each_repeat_by_the_first_rows_run_beside_it(capsys):
+def test_paired_ratios_divide_each_repeat_by_the_first_rows_run_beside_it():
     results = {"ddp": [{"step_ms": 100.0}, {"step_ms": 200.0}, {"step_ms": 100.0}],
                "custom_fsdp": [{"step_ms": 90.0}, {"step_ms": 220.0}, {"step_ms": 100.0}],
                "fsdp": [{"step_ms": 120.0}, {"step_ms": 240.0}, {"step_ms": 130.0}]}
     paired = bench.paired_step_ratios(results)
     assert list(paired) == ["custom_fsdp", "fsdp"]  # (the first row is the base)
     assert paired["custom_fsdp"] == pytest.approx([0.9, 1.1, 1.0]) and paired["fsdp"] == pytest.approx([1.2, 1.2, 1.3])
-    bench.print_paired(paired, "ddp")
-    ours, theirs = capsys.readouterr().out.splitlines()
-    assert ours.endswith("custom_fsdp 0.90x 1.10x 1.00x (median 1.00x, range 0.90x-1.10x)")
-    assert "(median 1.20x, range 1.20x-1.30x)" in theirs
-
-
-def test_median_of_takes_each_host_phase_median_over_repeats():
-    """The per-phase CPU times are medians over repeats too, not the first repeat's."""
-    def run(step_ms, fb, clip):
-        return {"step_ms": step_ms, "tokens_per_sec": 1e3 / step_ms, "mfu": None, "reserved_mb": None,
-                "host_ms": {"batch": 0.1, "forward_backward": fb, "clip": clip, "optimizer": 1.0}, "cpu_ms": step_ms}
-    m = bench.median_of([run(50.0, 40.0, 9.0), run(20.0, 10.0, 1.0), run(30.0, 20.0, 2.0)])
-    assert m["host_ms"] == {"batch": 0.1, "forward_backward": 20.0, "clip": 2.0, "optimizer": 1.0}
-    assert m["step_ms"] == 30.0 and m["cpu_ms"] == 30.0 and m["reserved_mb"] is None
+    assert bench.ratio_range(paired["custom_fsdp"]) == "1.00x (0.90x-1.10x)"
+    assert bench.ratio_range(paired["fsdp"]) == "1.20x (1.20x-1.30x)"
 
 
 def synthetic_run(dt_ms, state_mb, rss_mb):
     """metrics.jsonl rows of a run: 2 warm-up steps and 3 of `dt_ms`, with memory and comm events."""
-    rows = [{"iter": i, "loss": 2.0, "dt_ms": dt, "tokens_per_sec": 1e3 / dt, "mfu": None, "host_ms": {},
-             "page_faults": 0, "cpu_ms": dt} for i, dt in enumerate([500.0, 400.0] + [dt_ms] * 3)]
+    rows = [{"iter": i, "loss": 2.0, "dt_ms": dt, "tokens_per_sec": 1e3 / dt, "mfu": None, "host_ms": {}}
+            for i, dt in enumerate([500.0, 400.0] + [dt_ms] * 3)]
     return rows + [{"event": "memory", "stage": "after last step", "rss_mb": rss_mb, "params_mb": state_mb / 4,
                     "grads_mb": state_mb / 4, "optim_mb": state_mb / 2},
                    {"event": "comm_per_step", "all_gather_bytes": 0, "reduce_scatter_bytes": 0, "all_reduce_bytes": 0}]
@@ -259,6 +312,7 @@ def test_sweep_prints_each_world_size_against_world_size_1(tmp_path, capsys):
     assert accumulation(["--gradient_accumulation_steps=8"]) == ["--gradient_accumulation_steps=8"] * 3
     assert sorted(out["sweep"]) == ["custom_fsdp-w1", "custom_fsdp-w2", "custom_fsdp-w4"]
     assert out["sweep"]["custom_fsdp-w4"]["state_mb"] == 10.0 and out["sweep"]["custom_fsdp-w2"]["step_ms"] == 60.0
+    assert out["device"].startswith("cpu: ")  # (no CUDA figures in the runs)
     lines = [line for line in capsys.readouterr().out.splitlines() if "W=" in line]
     assert lines[1].endswith("W=2: params+grads+optim 20.0 (0.50x) MB, peak 500 MB, step 60.0 (0.60x) ms"), lines
     assert lines[2].endswith("W=4: params+grads+optim 10.0 (0.25x) MB, peak 300 MB, step 50.0 (0.50x) ms"), lines
@@ -266,7 +320,8 @@ def test_sweep_prints_each_world_size_against_world_size_1(tmp_path, capsys):
 
 def test_bench_interleaves_the_rows_and_returns_the_table_it_prints(tmp_path, capsys):
     """Repeats run A B A B (drift hits both rows alike); the result written as JSON holds the
-    settings, each row's medians over repeats and the paired ratios."""
+    settings, each row's medians over repeats, each repeat's step time and the paired ratios. The
+    output is the table and the paired line (the runs' progress goes to stderr)."""
     step = {("ddp", 0): 100.0, ("custom_fsdp", 0): 90.0, ("ddp", 1): 200.0, ("custom_fsdp", 1): 220.0,
             ("ddp", 2): 120.0, ("custom_fsdp", 2): 120.0}
     order = []
@@ -275,7 +330,8 @@ def test_bench_interleaves_the_rows_and_returns_the_table_it_prints(tmp_path, ca
         rep = int(out.rsplit("-r", 1)[1])
         order.append((row, rep, nproc, steps, tuple(extra)))
         return synthetic_run(step[row, rep], 8.0, 50.0)
-    args = mock.Mock(backends=["ddp", "custom_fsdp"], repeats=3, nproc=2, steps=5, exposed=False, work_dir=str(tmp_path))
+    args = mock.Mock(backends=["ddp", "custom_fsdp"], repeats=3, nproc=2, steps=5, exposed=False, detail=False,
+                     work_dir=str(tmp_path))
     with mock.patch.object(bench, "run_train", run_train):
         result = bench.bench_backends(args, ["--n_layer=2"])
     assert [o[:2] for o in order] == [("ddp", 0), ("custom_fsdp", 0), ("ddp", 1), ("custom_fsdp", 1),
@@ -287,20 +343,206 @@ def test_bench_interleaves_the_rows_and_returns_the_table_it_prints(tmp_path, ca
     assert result["backends"]["ddp"]["step_ms"] == 120.0 and result["backends"]["custom_fsdp"]["step_ms"] == 120.0
     assert result["backends"]["custom_fsdp"]["exposed_comm_ms"] is None  # (--exposed=False: no profiled run)
     assert result["step_ratio_per_repeat"] == {"custom_fsdp": [pytest.approx(0.9), pytest.approx(1.1), 1.0]}
-    assert "(median 1.00x, range 0.90x-1.10x)" in capsys.readouterr().out
+    assert result["step_ms_per_repeat"] == {"ddp": [100.0, 200.0, 120.0], "custom_fsdp": [90.0, 220.0, 120.0]}
+    out, err = capsys.readouterr()
+    lines = out.strip().splitlines()
+    assert lines[0].endswith("ratios vs ddp") and lines[1].startswith("backend") and len(lines) == 5
+    assert lines[-1] == "step time vs ddp, each repeat's run beside it: custom_fsdp 1.00x (0.90x-1.10x)"
+    assert "repeat 3/3 custom_fsdp: 120.0 ms/step" in err
     json.dumps(result)  # (written as JSON as it is)
 
 
-@pytest.mark.parametrize("mode,written", [([], "bench.json"), (["--sweep"], "sweep.json"), (["--comm"], "comm.json"),
-                                          (["--host"], "host.json")])
-def test_each_mode_writes_its_own_default_json(mode, written, tmp_path, capsys):
-    result = {"mode": written}
+@pytest.mark.parametrize("mode,written", [([], "bench.json"), (["--sweep"], "sweep.json")])
+def test_each_mode_writes_its_own_default_json_opening_with_its_provenance(mode, written, tmp_path, capsys):
+    """Every JSON bench.py writes opens with how it was made: the command as typed, the device, torch,
+    the commit and the date (UTC, to the second)."""
+    import torch
+    result = {"device": "cpu: a test CPU (2 cores)", "mode": written}
+    argv = ["bench.py", *mode, f"--work_dir={tmp_path}", "--data_dir=my data"]
     with mock.patch.object(bench, "bench_backends", return_value=result), \
-            mock.patch.object(bench, "sweep", return_value=result), mock.patch.object(bench, "bench_comm", return_value=result), \
-            mock.patch.object(bench, "bench_host", return_value=result), \
-            mock.patch.object(sys, "argv", ["bench.py", *mode, f"--work_dir={tmp_path}"]):
+            mock.patch.object(bench, "sweep", return_value=result), mock.patch.object(sys, "argv", argv):
         bench.main()
-    assert os.listdir(tmp_path) == [written] and json.loads((tmp_path / written).read_text()) == result
+    assert os.listdir(tmp_path) == [written]
+    saved = json.loads((tmp_path / written).read_text())
+    assert list(saved) == ["command", "device", "torch", "commit", "date", "mode"]
+    assert saved["command"] == "python bench.py " + " ".join(mode + [f"--work_dir={tmp_path}", "'--data_dir=my data'"])
+    assert shlex.split(saved["command"])[2:] == argv[1:]
+    assert saved["device"] == "cpu: a test CPU (2 cores)" and saved["torch"] == torch.__version__
+    assert saved["commit"] == bench.git_commit()
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\+00:00", saved["date"]), saved["date"]
+    assert capsys.readouterr().out.strip().splitlines()[-1] == f"wrote {tmp_path / written}"
+
+
+def test_device_names_the_cuda_device_or_the_cpu_model_and_its_cores():
+    import torch
+    with mock.patch.object(torch.cuda, "get_device_name", return_value="NVIDIA H100 80GB HBM3"):
+        assert bench.device_name(cuda=True) == "NVIDIA H100 80GB HBM3"
+    cpuinfo = ("processor\t: 0\nvendor_id\t: GenuineIntel\nmodel name\t: Intel(R) Xeon(R) Platinum 8480+\n"
+               "flags\t\t: fpu\n")
+    real_open = open
+    with mock.patch("builtins.open", lambda path, *a, **k: __import__("io").StringIO(cpuinfo)
+                    if path == "/proc/cpuinfo" else real_open(path, *a, **k)):
+        assert bench.device_name(cuda=False) == f"cpu: Intel(R) Xeon(R) Platinum 8480+ ({os.cpu_count()} cores)"
+    with mock.patch("builtins.open", side_effect=OSError), mock.patch("platform.processor", return_value="arm"):
+        assert bench.device_name(cuda=False) == f"cpu: arm ({os.cpu_count()} cores)"
+    # which one a result names: CUDA where its runs reported CUDA's allocator (reserved memory)
+    assert bench.ran_on_cuda([{"reserved_mb": None}, {"reserved_mb": 10.0}])
+    assert not bench.ran_on_cuda([{"reserved_mb": None}])
+
+
+def test_commit_is_the_short_head_and_dirty_with_changes_to_tracked_files(tmp_path):
+    def git(*args):
+        return subprocess.run(["git", *args], cwd=tmp_path, check=True, capture_output=True, text=True).stdout.strip()
+    assert bench.git_commit(tmp_path) is None  # (no repository)
+    git("init", "-q")
+    (tmp_path / "a.py").write_text("1\n")
+    git("add", "a.py")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "a")
+    head = git("rev-parse", "--short", "HEAD")
+    assert bench.git_commit(tmp_path) == head
+    (tmp_path / "new.py").write_text("untracked\n")
+    assert bench.git_commit(tmp_path) == head  # (an untracked file changes no result)
+    (tmp_path / "a.py").write_text("2\n")
+    assert bench.git_commit(tmp_path) == head + "-dirty"
+    with mock.patch.object(subprocess, "run", side_effect=FileNotFoundError("git")):
+        assert bench.git_commit(tmp_path) is None  # (no git)
+
+
+PROVENANCE = {"command": "python bench.py --backends=ddp,fsdp --nproc=2", "device": "NVIDIA H100 80GB HBM3",
+              "torch": "2.13.0", "commit": "abc1234", "date": "2025-01-02T03:04:05+00:00"}
+
+
+def write_results(folder):
+    """Two synthetic results files (a backends table and a sweep) in `folder`: the rows the markdown must show."""
+    folder.mkdir(parents=True, exist_ok=True)
+    table = {"ddp": table_row(30.0, 9000.0, comm=(0.0, 0.0, 12.0), exposed=4.0),
+             "fsdp": table_row(39.0, 8100.0, comm=(12.0, 12.0, 0.0), exposed=6.0),
+             "custom_fsdp:prefetch=False": table_row(28.5, 7200.0, comm=(12.0, 12.0, 0.0))}
+    bench_json = PROVENANCE | {"nproc": 2, "repeats": 3, "steps": 12, "extra": [], "backends": table,
+                               "step_ratio_per_repeat": {"fsdp": [1.28, 1.31, 1.35],
+                                                         "custom_fsdp:prefetch=False": [0.99, 0.95, 1.05]}}
+    sweep = {f"custom_fsdp-w{w}": bench.summarize_run(synthetic_run(100.0 / w, 40.0 / w, 700.0 - w), "custom_fsdp")
+             for w in (1, 2, 4)}
+    (folder / "h100-gpt2.json").write_text(json.dumps(bench_json))
+    (folder / "cpu-sweep.json").write_text(json.dumps(PROVENANCE | {"device": "cpu: X (2 cores)", "sweep": sweep}))
+    return folder
+
+
+def test_render_writes_each_results_file_as_a_markdown_table(tmp_path):
+    """Sorted by name; each a heading, where it was measured (device, torch, commit, date, command),
+    and its table: the figures with their ratios to the first row, and the paired ratio."""
+    md = bench.render_results(write_results(tmp_path / "results")).split("\n")
+    sweep_at, table_at = md.index("### results/cpu-sweep.json"), md.index("### results/h100-gpt2.json")
+    assert sweep_at < table_at
+    assert md[table_at + 2] == ("NVIDIA H100 80GB HBM3; torch 2.13.0; commit abc1234; 2025-01-02T03:04:05+00:00; "
+                                "`python bench.py --backends=ddp,fsdp --nproc=2`")
+    header, rule, ddp, fsdp, ours = md[table_at + 4:table_at + 9]
+    assert header == ("| backend | step ms | tokens/s | peak MB | comm MB/step | exposed comm ms "
+                      "| step vs ddp, paired: median (range) |")
+    assert rule == "| --- | --: | --: | --: | --: | --: | --: |"
+    assert ddp == "| `ddp` | 30.0 (1.00x) | 3,333 (1.00x) | 9,000 (1.00x) | 12.0 | 4.0 | - |"
+    assert fsdp == "| `fsdp` | 39.0 (1.30x) | 2,564 (0.77x) | 8,100 (0.90x) | 24.0 | 6.0 | 1.31x (1.28x-1.35x) |"
+    assert ours == ("| `custom_fsdp:prefetch=False` | 28.5 (0.95x) | 3,509 (1.05x) | 7,200 (0.80x) | 24.0 | - "
+                    "| 0.99x (0.95x-1.05x) |")
+    assert md[sweep_at + 2].startswith("cpu: X (2 cores); torch 2.13.0;")
+    assert md[sweep_at + 4:sweep_at + 9] == [
+        "| backend | W | params+grads+optim MB | peak MB | step ms |", "| --- | --: | --: | --: | --: |",
+        "| `custom_fsdp` | 1 | 40.0 (1.00x) | 699 | 100.0 |", "| `custom_fsdp` | 2 | 20.0 (0.50x) | 698 | 50.0 |",
+        "| `custom_fsdp` | 4 | 10.0 (0.25x) | 696 | 25.0 |"]
+    (tmp_path / "results" / "comm.json").write_text(json.dumps({"comm": []}))
+    with pytest.raises(SystemExit, match="comm.json is not bench.py's JSON"):
+        bench.render_results(tmp_path / "results")
+
+
+DOC = """# Title
+
+Some text.
+<!-- results: generated by python bench.py --render IMPLEMENTATION.md -->
+an old table
+| a | b |
+<!-- /results -->
+More text, <!-- /results --> kept.
+"""
+
+
+def test_render_into_a_file_replaces_only_its_results_block(tmp_path, capsys):
+    results = write_results(tmp_path / "results")
+    doc = tmp_path / "DOC.md"
+    doc.write_bytes(DOC.encode())
+    with mock.patch.object(bench, "RESULTS_DIR", str(results)), \
+            mock.patch.object(sys, "argv", ["bench.py", "--render", str(doc)]):
+        bench.main()
+    before, after = DOC.split("an old table\n| a | b |\n")
+    assert doc.read_text() == before + bench.render_results(results) + "\n" + after
+    bench.render_into(doc, results)  # again: the same file
+    assert doc.read_text() == before + bench.render_results(results) + "\n" + after
+    capsys.readouterr()
+    with mock.patch.object(bench, "RESULTS_DIR", str(results)), \
+            mock.patch.object(sys, "argv", ["bench.py", "--render"]):
+        bench.main()  # without a file: printed
+    assert capsys.readouterr().out == bench.render_results(results) + "\n"
+    crlf = tmp_path / "CRLF.md"
+    crlf.write_bytes(DOC.replace("\n", "\r\n").encode())
+    bench.render_into(crlf, results)
+    assert crlf.read_bytes() == (before + bench.render_results(results) + "\n" + after).replace("\n", "\r\n").encode()
+    bench.render_into(doc, tmp_path / "empty")  # (no results: an empty block)
+    assert doc.read_text() == before + after
+
+
+@pytest.mark.parametrize("text", ["# no block\n", "<!-- /results -->\n" + DOC.split("<!-- /results -->")[0]])
+def test_render_into_a_file_without_the_block_fails_in_one_line(text, tmp_path):
+    doc = tmp_path / "DOC.md"
+    doc.write_text(text)
+    res = subprocess.run([sys.executable, REPO / "bench.py", "--render", doc], capture_output=True, text=True,
+                         timeout=60)
+    assert res.returncode != 0 and res.stderr.splitlines() == [
+        f"error: {doc} has no results block: a line '{bench.RESULTS_BEGIN}', later one '{bench.RESULTS_END}'"]
+    assert doc.read_text() == text  # (untouched)
+
+
+def test_render_of_what_cannot_be_read_fails_in_one_line(tmp_path):
+    (tmp_path / "results").mkdir()
+    (tmp_path / "results" / "half.json").write_text('{"backends": ')
+    for call, message in [(lambda: bench.render_into(tmp_path / "missing.md"), "error: cannot read "),
+                          (lambda: bench.render_results(tmp_path / "results"), "half.json is not JSON: ")]:
+        with pytest.raises(SystemExit) as failed:
+            call()
+        assert str(failed.value).startswith("error: ") and message in str(failed.value)
+        assert "\n" not in str(failed.value)
+
+
+def test_implementation_md_shows_the_rendering_of_results():
+    """IMPLEMENTATION.md's results block is `python bench.py --render IMPLEMENTATION.md`'s output on
+    the repository's results/: a figure the docs show comes from a file there."""
+    text = (REPO / "IMPLEMENTATION.md").read_text()
+    lines = text.split("\n")
+    if bench.RESULTS_BEGIN not in lines:
+        pytest.skip("IMPLEMENTATION.md has no results block yet")
+    start, end = bench.results_block(text, "IMPLEMENTATION.md")
+    assert "\n".join(lines[start + 1:end]) == bench.render_results(), \
+        "IMPLEMENTATION.md's results block is stale: run python bench.py --render IMPLEMENTATION.md"
+
+
+def test_a_config_file_sets_the_benchmarked_model(tmp_path):
+    """bench.py's default model yields to a config file's (its --key=value flags beat any file, so
+    the file's model was benchmarked as 4 x 256); no evaluation or checkpoints either way, and a
+    row's own settings still win."""
+    import configurator
+    config = tmp_path / "wide.py"
+    config.write_text("n_layer = 6\nn_embd = 384\nbatch_size = 2\neval_iters = 50\n")
+
+    def settings(extra, row="ddp"):
+        train_globals = dict(n_layer=12, n_head=12, n_embd=768, batch_size=12, block_size=1024, dropout=0.1,
+                             compile=True, eval_iters=200, log_interval=10, keep_checkpoints=2,
+                             gradient_accumulation_steps=40, dist_backend="ddp", out_dir="out", max_iters=600000,
+                             eval_interval=2000, profile=False, prefetch=True)
+        configurator.apply(train_globals, bench.train_args(row, 2, "o", 5, extra))
+        return train_globals
+    default, from_file = settings([]), settings([str(config)], row="custom_fsdp:n_layer=3")
+    assert (default["n_layer"], default["n_embd"], default["batch_size"], default["compile"]) == (4, 256, 8, False)
+    assert (from_file["n_layer"], from_file["n_embd"], from_file["batch_size"], from_file["n_head"]) == (3, 384, 2, 12)
+    for run in (default, from_file):
+        assert (run["eval_iters"], run["keep_checkpoints"], run["gradient_accumulation_steps"]) == (0, 0, 2)
 
 
 def test_overlap_summary_is_the_mean_over_steps():
@@ -336,16 +578,6 @@ def test_communication_across_a_step_boundary_counts_in_each_step_only_its_part(
     assert overlap.exposed_by_place(trace) == {overlap.OUTSIDE: pytest.approx(0.020)}  # per step
 
 
-def test_table_prints_a_hidden_fraction_of_zero_as_0_percent(capsys):
-    row = {"step_ms": 30.0, "tokens_per_sec": 1.0, "peak_mem_mb": 1.0, "state_mb": 1.0, "reserved_mb": None,
-           "all_gather_mb": 1.0, "reduce_scatter_mb": 1.0, "all_reduce_mb": 0.0, "exposed_comm_ms": 12.0,
-           "hidden_fraction": 0.0, "mfu": None, "host_ms": {p: 1.0 for p in bench.HOST_PHASES}, "page_faults": 0,
-           "cpu_ms": 1.0, "exposed_by_place": None}
-    bench.print_table({"custom_fsdp": row, "fsdp": row | {"hidden_fraction": None}})
-    _, ours, theirs, *_ = capsys.readouterr().out.splitlines()
-    assert ours.split(" | ")[-2].strip() == "0%" and theirs.split(" | ")[-2].strip() == "-"
-
-
 def shard_numel(shapes, world):
     """Per-rank elements of one unit: every parameter padded to ceil(dim0 / W) rows."""
     return sum(math.ceil(s[0] / world) * math.prod(s[1:]) for s in shapes)
@@ -353,13 +585,13 @@ def shard_numel(shapes, world):
 
 @pytest.mark.parametrize("backend,W", [("fsdp", 2), ("custom_fsdp", 2), ("custom_fsdp", 3)])
 def test_collective_bytes_per_step_match_the_formula(backend, W, char_data, tmp_path):
-    """Counted by train.py's CommCounter; expected from the model's shapes (float32, padded rows).
-    custom_fsdp on gloo: W=2 exchanges both ways; W=3 all-gathers by exchange (two messages per
-    rank, counted once) and reduce-scatters with gloo's collective."""
+    """Counted by train.py's CommCounter; expected from the model's shapes (float32, padded rows),
+    a unit per block and the root. W=3: a world size that divides no dimension (padding)."""
     L, C, V, T, steps, micro = 2, 32, 65, 32, 3, 2
     res = run_train(tmp_path, W, f"--data_dir={char_data}", f"--n_layer={L}", "--n_head=2", f"--n_embd={C}",
                     f"--block_size={T}", "--batch_size=2", "--bias=True", f"--max_iters={steps}",
-                    f"--gradient_accumulation_steps={W * micro}", "--eval_iters=1", f"--dist_backend={backend}")
+                    f"--gradient_accumulation_steps={W * micro}", "--eval_iters=1", f"--dist_backend={backend}",
+                    "--wrap_policy=block")
     assert res.returncode == 0, res.describe()
     block = [(3 * C, C), (3 * C,), (C, C), (C,), (4 * C, C), (4 * C,), (C, 4 * C), (C,), (C,), (C,), (C,), (C,)]
     root = [(V, C), (T, C), (C,), (C,)]  # wte (tied with lm_head), wpe, ln_f weight and bias
@@ -373,7 +605,6 @@ def test_collective_bytes_per_step_match_the_formula(backend, W, char_data, tmp_
         comm = next(r for r in map(json.loads, f) if r.get("event") == "comm_per_step")
     assert comm["all_gather_bytes"] == pytest.approx(expected_ag, rel=1e-12)
     assert comm["all_gather_count"] == pytest.approx((steps * micro * 2 * L - 2) / steps, rel=1e-12)
-    # (custom_fsdp's point-to-point exchanges on gloo count as the collectives they stand for)
     assert comm["reduce_scatter_bytes"] == expected_rs
     assert comm["reduce_scatter_count"] == L + 1
 
@@ -381,7 +612,8 @@ def test_collective_bytes_per_step_match_the_formula(backend, W, char_data, tmp_
 @pytest.mark.parametrize("nproc,exposed", [(2, True), (1, False)])
 def test_bench_table_has_every_backend_and_consistent_fields(nproc, exposed, char_data, tmp_path):
     """bench.py end to end on a tiny model: one row per backend, ratios' base first, the two FSDP
-    backends moving the same bytes, and the profiled run's exposed communication only when asked."""
+    backends moving the same bytes, the profiled run's exposed communication only when asked; the
+    output the table and the paired line, in 120 columns; the JSON opening with its provenance."""
     out = tmp_path / "bench.json"
     res = launch([sys.executable, REPO / "bench.py", "--backends=custom_fsdp,fsdp", f"--nproc={nproc}",
                   "--repeats=1", "--steps=4", f"--exposed={exposed}", f"--work_dir={tmp_path}", f"--json={out}",
@@ -389,14 +621,17 @@ def test_bench_table_has_every_backend_and_consistent_fields(nproc, exposed, cha
                   "--block_size=32", "--batch_size=2", "--eval_iters=0"], timeout=300)
     assert res.returncode == 0, res.describe()
     table = json.loads(out.read_text())
+    assert list(table)[:5] == ["command", "device", "torch", "commit", "date"]
+    assert table["command"].startswith("python bench.py --backends=custom_fsdp,fsdp ")
+    assert table["device"].startswith("cpu: ") and table["device"].endswith(f"({os.cpu_count()} cores)")
     assert table["nproc"] == nproc and list(table["backends"]) == ["custom_fsdp", "fsdp"]
     ours, theirs = table["backends"]["custom_fsdp"], table["backends"]["fsdp"]
     for row in (ours, theirs):
         assert row["step_ms"] > 0 and row["tokens_per_sec"] > 0 and row["peak_mem_mb"] > 0
-        assert row["mfu"] is None  # no peak FLOP/s on CPU
+        assert row["mfu"] is None and row["reserved_mb"] is None  # no peak FLOP/s, no caching allocator on CPU
         assert (row["exposed_comm_ms"] is not None) == exposed and (row["hidden_fraction"] is not None) == exposed
         assert row["host_ms"]["forward_backward"] > 0 and row["host_ms"]["optimizer"] > 0
-        assert row["page_faults"] >= 0 and row["cpu_ms"] > 0
+        assert row["comm_mb"] == pytest.approx(row["all_gather_mb"] + row["reduce_scatter_mb"] + row["all_reduce_mb"])
         if exposed:  # the largest places, in ms per step, largest first, then the others': the exposed time
             places = list(row["exposed_by_place"].values())
             listed = places[:overlap.TOP_PLACES]
@@ -407,9 +642,15 @@ def test_bench_table_has_every_backend_and_consistent_fields(nproc, exposed, cha
     assert ours["state_mb"] == theirs["state_mb"]  # the same shards and AdamW state
     assert ours["all_gather_mb"] == theirs["all_gather_mb"] and ours["reduce_scatter_mb"] == theirs["reduce_scatter_mb"]
     assert (ours["all_gather_mb"] > 0) == (nproc > 1)  # one rank: nothing to communicate
-    assert "custom_fsdp" in res.stdout and "ratios vs custom_fsdp" in res.stdout
     # one repeat: the paired ratio is the ratio of the two rows' step times
     assert table["step_ratio_per_repeat"] == {"fsdp": [pytest.approx(theirs["step_ms"] / ours["step_ms"])]}
+    lines = res.stdout.strip().splitlines()
+    assert lines[-1] == f"wrote {out}" and max(map(len, lines)) <= 120
+    title, header, *rows, paired = lines[-6:-1]
+    assert title.endswith("ratios vs custom_fsdp") and header.startswith("backend")
+    assert [r.split(" | ")[0].strip() for r in rows] == ["custom_fsdp", "fsdp"]
+    assert rows[0].split(" | ")[1].strip() == f"{ours['step_ms']:,.1f} (1.00x)"
+    assert paired.startswith("step time vs custom_fsdp, each repeat's run beside it: fsdp ")
 
 
 def test_sweep_state_falls_as_one_over_world_size(char_data, tmp_path):
@@ -420,7 +661,9 @@ def test_sweep_state_falls_as_one_over_world_size(char_data, tmp_path):
                   f"--work_dir={tmp_path}", f"--json={out}", f"--data_dir={char_data}", "--device=cpu",
                   "--n_layer=2", "--n_head=2", "--n_embd=32", "--block_size=32", "--batch_size=2"], timeout=300)
     assert res.returncode == 0, res.describe()
-    sweep = json.loads(out.read_text())["sweep"]
+    result = json.loads(out.read_text())
+    assert list(result)[:5] == ["command", "device", "torch", "commit", "date"] and result["device"].startswith("cpu: ")
+    sweep = result["sweep"]
     state = {w: sweep[f"custom_fsdp-w{w}"]["state_mb"] for w in (1, 2, 4)}
     for w in (2, 4):
         assert state[1] / w <= state[w] <= 1.03 * state[1] / w, state
@@ -439,7 +682,8 @@ def test_bench_rows_carry_their_own_settings(char_data, tmp_path):
     res = launch([sys.executable, REPO / "bench.py", f"--backends=custom_fsdp,{zero2}", "--nproc=2",
                   "--repeats=1", "--steps=4", "--exposed=False", "--work_dir=runs", "--json=bench.json",
                   f"--data_dir={char_data}", "--device=cpu", "--n_layer=3", "--n_head=2", "--n_embd=32",
-                  "--block_size=32", "--batch_size=2", "--eval_iters=1"], timeout=300, cwd=tmp_path)
+                  "--block_size=32", "--batch_size=2", "--eval_iters=1", "--wrap_policy=block"], timeout=300,
+                 cwd=tmp_path)
     assert res.returncode == 0, res.describe()
     assert (tmp_path / "runs" / "custom_fsdp-r0" / "metrics.jsonl").exists()
     assert not list(tmp_path.glob("runs/*/ckpt-*"))
@@ -451,13 +695,20 @@ def test_bench_rows_carry_their_own_settings(char_data, tmp_path):
 
 @pytest.mark.parametrize("args,problem", [(["--backends=custom_fsdp:prefetch"], "not key=value"),
                                           (["--backends=fsdp,fsdp"], "twice"),
+                                          (["--backends=ddp,zero"], "unknown backend 'zero'"),
                                           (["--nproc=0"], "--nproc=0: at least 1"),
                                           (["--repeats=0"], "--repeats=0: at least 1"),
-                                          (["--sweep", "--nproc=3"], "--nproc=3: --sweep runs world sizes 1, 2 and 4")])
+                                          (["--steps=2"], "--steps=2: at least 3"),
+                                          (["--exposed=maybe"], "invalid"),
+                                          (["--sweep", "--nproc=3"], "--nproc=3: --sweep runs world sizes 1, 2 and 4"),
+                                          (["--sweep", "--repeats=2"], "--sweep runs each world size once"),
+                                          (["--render", "--steps=3"], "--render reads results/ and runs nothing: "
+                                                                      "--steps is not for it"),
+                                          (["--render", "--n_layer=2"], "--n_layer=2 is not for it")])
 def test_bench_rejects_bad_arguments_before_running(args, problem, tmp_path):
     res = subprocess.run([sys.executable, REPO / "bench.py", *args, f"--work_dir={tmp_path}"],
-                         capture_output=True, text=True, timeout=60)
-    assert res.returncode == 2 and problem in res.stderr.splitlines()[-1]
+                         capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert res.returncode == 2 and problem in res.stderr.splitlines()[-1], res.stderr
     assert not any(tmp_path.iterdir())  # nothing ran
 
 
@@ -476,16 +727,15 @@ def test_bench_passes_on_train_py_refusal_as_its_one_line(char_data, tmp_path):
 def test_train_writes_traces_memory_reports_and_a_memory_trace(char_data, tmp_path):
     res = run_train(tmp_path, 2, f"--data_dir={char_data}", "--n_layer=2", "--n_head=2", "--n_embd=32",
                     "--block_size=32", "--batch_size=2", "--max_iters=6", "--eval_iters=1",
-                    "--dist_backend=custom_fsdp", "--profile=True", "--memory_snapshot=True")
+                    "--dist_backend=custom_fsdp", "--wrap_policy=block", "--profile=True", "--memory_snapshot=True")
     assert res.returncode == 0, res.describe()
-    assert "leaves out the thread that moves fsdp_impl's bytes" in res.stdout  # (both flags on CPU)
     assert f"wrote {tmp_path / 'traces' / 'custom_fsdp' / 'rank0.json'}, {tmp_path / 'memory' / 'rank0.json'} " \
         in res.stdout, res.stdout  # where to look
     for rank in (0, 1):
         with open(tmp_path / "traces" / "custom_fsdp" / f"rank{rank}.json") as f:
             trace = json.load(f)
         rows = overlap.analyse(trace)
-        assert len(rows) == 3 and all(r["comm_ms"] > 0 and r["compute_ms"] > 0 for r in rows)
+        assert len(rows) == 3 and all(r["compute_ms"] > 0 for r in rows)
         names = {e.get("name", "") for e in trace["traceEvents"]}
         assert {"fsdp::all_gather transformer.h.0", "fsdp::reduce_scatter root"} <= names  # named FSDP phases
         # each unit's forward and backward are ranges too, once per micro-step: the root's forward
@@ -514,6 +764,7 @@ def test_train_writes_traces_memory_reports_and_a_memory_trace(char_data, tmp_pa
 
 
 CHECKPOINT_COLLECTIVES = {"c10d::barrier", "c10d::broadcast_", "c10d::scatter_", "c10d::gather_"}  # DCP's save
+GLOO_MOVES = {"ddp": "gloo:all_reduce", "fsdp": "gloo:all_gather", "custom_fsdp": "gloo:all_gather"}
 
 
 @pytest.mark.parametrize("backend", ["ddp", "fsdp", "custom_fsdp"])
@@ -522,7 +773,8 @@ def test_profiled_steps_hold_training_steps_only_and_enclose_their_logged_time(b
     steps 2 and 3: each ProfilerStep#k range holds iteration k's forward/backward/optimizer only
     (its micro-batches' losses, no checkpoint collectives), the evaluation and save lie in the
     trace outside every range, and each step's logged dt_ms lies inside its range, so the trace's
-    export (after the window's last step) is in no step's time."""
+    export (after the window's last step) is in no step's time. The steps hold gloo's ranges, on
+    its own threads: the communication overlap.py measures. overlap.py's command line reads the trace."""
     res = run_train(tmp_path, 2, f"--data_dir={char_data}", *TINY, "--max_iters=6", "--eval_interval=3",
                     f"--dist_backend={backend}", "--profile=True")
     assert res.returncode == 0, res.describe()
@@ -539,10 +791,8 @@ def test_profiled_steps_hold_training_steps_only_and_enclose_their_logged_time(b
             assert names.count("aten::cross_entropy_loss") == local_steps  # one per micro-batch: no evaluation
             assert sum(n.startswith("Optimizer.step#") for n in names) == 1  # (#<its class>.step)
             assert not CHECKPOINT_COLLECTIVES & set(names)
-        if backend == "custom_fsdp":  # its exchanges (through shared memory) are in the steps, on comm.py's posting thread
-            moves = [e for e in events if e["name"].startswith("shm:") and any(
-                s["ts"] <= e["ts"] < s["ts"] + s["dur"] for s in steps)]
-            assert {e["name"] for e in moves} == {"shm:all_gather", "shm:reduce_scatter"}
+            moves = [e for e in events if e["name"].startswith("gloo:") and s["ts"] <= e["ts"] < s["ts"] + s["dur"]]
+            assert GLOO_MOVES[backend] in {e["name"] for e in moves}
             assert all(e["tid"] != steps[0]["tid"] for e in moves)
         between = [e["name"] for e in main if not any(s["ts"] <= e["ts"] < s["ts"] + s["dur"] for s in steps)]
         assert between.count("aten::cross_entropy_loss") == 2 * evals_per_split  # iteration 3's evaluation
@@ -550,7 +800,7 @@ def test_profiled_steps_hold_training_steps_only_and_enclose_their_logged_time(b
         if rank == 0:  # (rank 0 logs): the clocks of time.time() and the profiler may differ by far under 0.5 ms
             for s in steps:
                 assert dt_ms[int(s["name"].split("#")[1])] <= s["dur"] / 1e3 + 0.5, (s, dt_ms)
-    cli = subprocess.run([sys.executable, "-m", "fsdp_impl.overlap", str(tmp_path / "traces" / backend / "rank0.json")],
+    cli = subprocess.run([sys.executable, "overlap.py", str(tmp_path / "traces" / backend / "rank0.json")],
                          cwd=REPO, capture_output=True, text=True, timeout=60)
     assert cli.returncode == 0, cli.stderr
     path, *step_lines, places_header = cli.stdout.splitlines()[:5]
@@ -571,77 +821,6 @@ def test_a_run_shorter_than_the_profiled_window_says_so_or_traces_what_it_reache
     else:
         assert not notes
         assert [r["step"] for r in overlap.analyse(overlap.load(trace))] == recorded
-
-
-def test_comm_benchmark_times_every_collective_with_consistent_bandwidth(tmp_path):
-    """`bench.py --comm`: each collective (fsdp_impl's all-gather and reduce-scatter included, on CPU also
-    with gloo's messages) at each size, bus bandwidth = the bytes each rank moves / time ((W-1)/W of the
-    buffer, 2(W-1)/W for all-reduce), and the process's CPU time per call. W=3, where (W-1)/W, 1/W
-    and 2(W-1)/W all differ (at W=2 the first two are both 1/2), and a buffer cut to a multiple of W."""
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    out = tmp_path / "comm.json"
-    w = 3
-    proc = subprocess.run([sys.executable, "bench.py", "--comm", f"--nproc={w}", "--comm_mb=1,4", f"--json={out}"],
-                          cwd=repo, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    rows = json.loads(out.read_text())["comm"]
-    part = (w - 1) / w  # of the buffer, each rank's all-gather or reduce-scatter
-    moved = {"all_gather": part, "ag_fsdp_impl": part, "ag_fsdp_impl_msgs": part, "reduce_scatter": part,
-             "rs_fsdp_impl": part, "rs_fsdp_impl_msgs": part, "all_reduce": 2 * part}
-    assert sorted((r["op"], r["mb"]) for r in rows) == sorted((op, mb) for op in moved for mb in (1, 4))
-    for r in rows:
-        assert r["ms"] > 0 and r["cpu_ms"] > 0
-        numel = r["mb"] * 2**20 // 4
-        full_bytes = (numel - numel % w) * 4  # (a whole MB of floats is no multiple of 3: cut to one)
-        assert r["busbw_gbps"] * 1e9 * r["ms"] / 1e3 == pytest.approx(full_bytes * moved[r["op"]], rel=1e-9)
-
-
-def run_snippet(code, arg):
-    """Run `code` in a fresh interpreter at the repo root (its own glibc heap); its stdout."""
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    return subprocess.run([sys.executable, "-c", code, str(arg)], cwd=repo, check=True,
-                          capture_output=True, text=True).stdout
-
-
-def test_observer_counts_the_page_faults_of_a_step(tmp_path):
-    """train.py's page_faults: the pages a step touched afresh. A step that writes a new 64 MB
-    mapping faults in each of its 16,384 pages; one that allocates nothing faults (almost) none."""
-    import mmap
-    import torch
-    import observe
-    obs = observe.Observer(str(tmp_path), "ddp", 0, "cpu", profile=False, memory_snapshot=False)
-    obs.before_step()
-    obs.after_step()
-    quiet = obs.page_faults
-    obs.before_step()
-    fresh = mmap.mmap(-1, 64 * 2**20)
-    torch.frombuffer(fresh, dtype=torch.uint8).fill_(1)  # (in place: a 64 MB bytes object would fault too)
-    obs.after_step()
-    assert quiet < 1000 and obs.page_faults >= 16384, (quiet, obs.page_faults)
-    fresh.close()
-
-
-def test_observer_counts_the_cpu_time_of_every_thread_in_a_step(tmp_path):
-    """train.py's cpu_ms: the process's CPU time in a step, not only the training thread's. A helper
-    thread that computes for 200 ms of its own CPU time while the training thread sleeps puts at
-    least that much in the step; the training thread's own clock sees almost none of it."""
-    import threading
-    import observe
-    obs = observe.Observer(str(tmp_path), "ddp", 0, "cpu", profile=False, memory_snapshot=False)
-
-    def busy():
-        start = time.thread_time()
-        while time.thread_time() - start < 0.2:
-            pass
-
-    obs.before_step()
-    main_before = time.thread_time()
-    helper = threading.Thread(target=busy)
-    helper.start()
-    helper.join()
-    main_ms = (time.thread_time() - main_before) * 1e3
-    obs.after_step()
-    assert obs.cpu_ms >= 200 and main_ms < 100, (obs.cpu_ms, main_ms)
 
 
 def test_observer_host_time_is_the_training_threads_cpu_time_of_this_step(tmp_path):
@@ -687,158 +866,3 @@ def test_observer_rss_is_this_process_peak_in_mb():
     before, mine, after = vm_hwm_mb(), observe.rss_mb(), vm_hwm_mb()
     assert before - 1 <= mine <= after + 1, (before, mine, after)
     assert mine >= 64, mine
-
-
-@pytest.mark.parametrize("posting", [False, True])
-def test_memory_trace_notice_only_where_messages_are_posted_off_the_training_thread(posting, tmp_path, capsys):
-    """--profile with --memory_snapshot on CPU records allocations, which leaves out other threads:
-    the run says so exactly when fsdp_impl's posting thread carries its messages (custom_fsdp on
-    gloo at W>1), not for DDP, FSDP2 or a one-rank run, whose communication the trace still sees."""
-    import observe
-    from fsdp_impl import comm
-    obs = observe.Observer(str(tmp_path), "custom_fsdp", 0, "cpu", profile=True, memory_snapshot=True)
-    obs.steps = observe.PROFILE_STEPS[0]
-    with mock.patch.object(comm, "_poster", object() if posting else None):
-        obs.before_step()
-    obs.after_step()
-    obs.finish()
-    assert ("leaves out the thread that moves fsdp_impl's bytes" in capsys.readouterr().out) == posting
-    assert (tmp_path / "traces" / "custom_fsdp" / "rank0.json").exists()
-
-
-RETAINED_AFTER_FREE = """
-import sys, torch, backends
-backends.set_malloc_mmap_threshold(float(sys.argv[1]))
-anon = lambda: int(next(l for l in open("/proc/self/status") if l.startswith("RssAnon")).split()[1]) // 1024
-first = torch.ones(24 * 2**18)  # 24 MB, mapped; freeing it raises glibc's dynamic threshold to 24 MB
-del first
-base = anon()
-buffer = torch.ones(16 * 2**18)  # 16 MB: the heap under a raised threshold, its own mapping under 4 MB
-later = torch.ones(1024)  # allocated after it, so the heap cannot shrink past it
-del buffer
-print(anon() - base)
-"""
-
-
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
-def test_malloc_threshold_returns_freed_buffers_to_the_os():
-    """train.py's malloc_mmap_threshold_mb on CPU: a freed 16 MB buffer leaves the process (4 MB)
-    instead of staying in glibc's heap (0: glibc's dynamic default)."""
-    retained = {mb: int(run_snippet(RETAINED_AFTER_FREE, mb)) for mb in (0, 4)}
-    assert retained[0] >= 12, retained
-    assert retained[4] <= 2, retained
-
-
-REFAULTED = """
-import ctypes, resource, sys, backends
-backends.set_malloc_mmap_threshold(float(sys.argv[1]))
-libc = ctypes.CDLL(None)  # glibc's malloc itself: torch's own small allocations would land above the buffers
-libc.malloc.restype, libc.malloc.argtypes, libc.free.argtypes = ctypes.c_void_p, (ctypes.c_size_t,), (ctypes.c_void_p,)
-faults = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-def step():  # 320 MB of 1 MB buffers, written and freed, as a step's activations at the heap's top
-    buffers = [libc.malloc(2**20) for _ in range(320)]
-    for buffer in buffers:
-        ctypes.memset(buffer, 1, 2**20)
-    for buffer in buffers:
-        libc.free(buffer)
-step(), step()
-before = faults()
-step()
-print(faults() - before)
-"""
-
-
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
-def test_malloc_threshold_32_keeps_a_freed_heap_top_for_the_next_step():
-    """train.py's default malloc_mmap_threshold_mb=32 on CPU: what a step frees at the top of glibc's
-    heap stays for the next step, also when it is more than the 256 MB this setting used to keep
-    (a 201M model's step freed more, and faulted 62,000 pages in again every step). Against a
-    threshold below the buffers' size (0.25 MB), under which each step maps them afresh and
-    faults all 320 MB in again (81,920 pages). (Not against glibc's own dynamic thresholds, 0:
-    what they do depends on what the interpreter freed before, and a 64 MB step faulted 256 to
-    16,353 pages from one run to the next.)"""
-    faults = {mb: int(run_snippet(REFAULTED, mb)) for mb in (0.25, 32)}
-    assert faults[0.25] >= 60000, faults
-    assert faults[32] <= 2000, faults
-
-
-RETAINED_HOLES = """
-import sys, torch, backends
-anon = lambda: int(next(l for l in open("/proc/self/status") if l.startswith("RssAnon")).split()[1]) // 1024
-base = anon()
-pieces = [torch.ones(2**14) for _ in range(2000)]  # 64 KB each: glibc's heap, about 125 MB
-kept = pieces[::20]  # every 20th stays alive, so the freed ones are holes the heap cannot shrink past
-del pieces
-holes = anon() - base
-released = backends.trim_malloc_heap() if sys.argv[1] == "trim" else False
-print(holes, anon() - base, released)
-"""
-
-
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc_trim")
-def test_malloc_trim_returns_heap_holes_to_the_os():
-    """train.py's malloc_trim=True (after every step on CPU): freed memory in the middle of glibc's heap
-    stays resident until trimmed, and is given back when it is."""
-    out = {mode: run_snippet(RETAINED_HOLES, mode).split() for mode in ("keep", "trim")}
-    holes, after, released = out["keep"]
-    assert int(holes) >= 100 and int(after) >= 100 and released == "False", out
-    holes, after, released = out["trim"]
-    assert int(holes) >= 100 and int(after) <= 20 and released == "True", out
-
-
-def test_a_config_file_sets_the_benchmarked_model(tmp_path):
-    """bench.py's default model yields to a config file's (its --key=value flags beat any file, so
-    the file's model was benchmarked as 4 x 256); no evaluation or checkpoints either way, and a
-    row's own settings still win."""
-    import configurator
-    config = tmp_path / "wide.py"
-    config.write_text("n_layer = 6\nn_embd = 384\nbatch_size = 2\neval_iters = 50\n")
-
-    def settings(extra, row="ddp"):
-        train_globals = dict(n_layer=12, n_head=12, n_embd=768, batch_size=12, block_size=1024, dropout=0.1,
-                             compile=True, eval_iters=200, log_interval=10, keep_checkpoints=2,
-                             gradient_accumulation_steps=40, dist_backend="ddp", out_dir="out", max_iters=600000,
-                             eval_interval=2000, profile=False, prefetch=True)
-        configurator.apply(train_globals, bench.train_args(row, 2, "o", 5, extra))
-        return train_globals
-    default, from_file = settings([]), settings([str(config)], row="custom_fsdp:n_layer=3")
-    assert (default["n_layer"], default["n_embd"], default["batch_size"], default["compile"]) == (4, 256, 8, False)
-    assert (from_file["n_layer"], from_file["n_embd"], from_file["batch_size"], from_file["n_head"]) == (3, 384, 2, 12)
-    for run in (default, from_file):
-        assert (run["eval_iters"], run["keep_checkpoints"], run["gradient_accumulation_steps"]) == (0, 0, 2)
-
-
-def test_host_mode_charges_each_backend_its_difference_per_unit(tmp_path):
-    """bench.py --host: every row's model in one process, steps interleaved; the units are none for
-    DDP's plain model, a block each plus the root for the FSDPs, one under wrap_policy='model' (a
-    row's own setting), and the per-unit figure is the row's forward and backward over the first
-    row's, divided by its units."""
-    out = tmp_path / "host.json"
-    one_unit = "custom_fsdp:wrap_policy=model"
-    res = launch([sys.executable, REPO / "bench.py", "--host", f"--backends=ddp,custom_fsdp,fsdp,{one_unit}",
-                  "--steps=5", f"--json={out}", "--n_layer=2", "--vocab_size=50"], timeout=300)
-    assert res.returncode == 0, res.describe()
-    result = json.loads(out.read_text())
-    rows = result["backends"]
-    assert result["steps"] == 5 and list(rows) == ["ddp", "custom_fsdp", "fsdp", one_unit]
-    assert [r["units"] for r in rows.values()] == [0, 3, 3, 1]
-    base = rows["ddp"]["forward_backward_ms"]
-    assert rows["ddp"]["forward_backward_ms_per_unit_vs_first"] is None
-    for r in list(rows.values())[1:]:
-        assert r["forward_backward_ms"] > 0 and r["optimizer_ms"] > 0
-        assert r["forward_backward_ms_per_unit_vs_first"] == pytest.approx((r["forward_backward_ms"] - base) / r["units"])
-    assert "per unit vs ddp" in res.stdout and "n_layer=2" in res.stdout and "vocab_size=50" in res.stdout
-
-
-@pytest.mark.parametrize("flags,message", [
-    (["--nproc=2"], "no --nproc, --repeats or --exposed"), (["--exposed=False"], "no --nproc, --repeats or --exposed"),
-    (["--sweep"], "separate modes"), (["--n_layers=2"], "unknown config key 'n_layers'"),
-    (["--n_head=3"], "n_embd=32 is not divisible by n_head=3"), (["--device=tpu"], "unknown device 'tpu'"),
-    (["--backends=ddp,custom_fsdp:block_size=8"], "custom_fsdp:block_size=8 sets block_size=8 for itself"),
-    (["--backends=ddp,fsdp:wrap_policy=layer"], "fsdp:wrap_policy=layer: unknown wrap_policy 'layer'")])
-def test_host_mode_refuses_what_it_does_not_take(flags, message):
-    """One line and exit 2: flags of the other modes, bad settings, and a row's own model shape, batch or
-    device (one input serves every row)."""
-    res = launch([sys.executable, REPO / "bench.py", "--host", "--backends=ddp", "--steps=3", *flags], timeout=120)
-    assert res.returncode == 2 and message in res.stderr, res.describe()
-    assert "Traceback" not in res.stderr
