@@ -278,7 +278,8 @@ def git_commit(folder=HERE):
 def provenance(argv=None):
     """What every JSON opens with, but the device (known once the runs say whether they used CUDA)."""
     import torch
-    return {"command": "python bench.py " + shlex.join(sys.argv[1:] if argv is None else argv), "device": None,
+    script = os.path.basename(sys.argv[0]) if sys.argv[0].endswith(".py") else "bench.py"  # (as it was run)
+    return {"command": f"python {script} " + shlex.join(sys.argv[1:] if argv is None else argv), "device": None,
             "torch": torch.__version__, "commit": git_commit(),
             "date": datetime.now(timezone.utc).isoformat(timespec="seconds")}
 
