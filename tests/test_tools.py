@@ -15,7 +15,7 @@ import torch
 from conftest import REPO, clone_checkpoint, free_port, launch, one_error_line, run_train
 
 sys.path.insert(0, str(REPO))
-from fsdp_impl import overlap  # noqa: E402
+import overlap  # noqa: E402
 
 TINY = ["--n_layer=1", "--n_head=2", "--n_embd=32", "--block_size=32", "--batch_size=2", "--eval_interval=3",
         "--eval_iters=1", "--compile=False"]
@@ -180,7 +180,7 @@ def test_sample_refuses_an_unreadable_ckpt_pt(tmp_path):
 
 
 def test_overlap_without_a_trace_prints_usage():
-    res = python("-m", "fsdp_impl.overlap")
+    res = python(REPO / "overlap.py")
     assert res.returncode != 0 and res.stderr.strip().startswith("usage:") and len(res.stderr.splitlines()) == 1
 
 
@@ -190,7 +190,7 @@ def test_overlap_refuses_a_bad_trace(tmp_path, content, problem):
     trace = tmp_path / "rank0.json"
     if content is not None:
         trace.write_text(content)
-    with pytest.raises(SystemExit) as exit_:  # (what `python -m fsdp_impl.overlap TRACE` prints)
+    with pytest.raises(SystemExit) as exit_:  # (what `python overlap.py TRACE` prints)
         overlap.load(trace)
     message = str(exit_.value)
     assert message.startswith("error:") and problem in message and str(trace) in message and "\n" not in message
@@ -198,8 +198,8 @@ def test_overlap_refuses_a_bad_trace(tmp_path, content, problem):
 
 @pytest.mark.parametrize("arg,named", [("--steps=2", "--steps=2: at least 3"),
                                        ("--backends=ddp,custom_fdsp", "unknown backend 'custom_fdsp'"),
-                                       ("--comm --comm_mb=1,4.5", "--comm_mb=1,4.5: sizes in whole MB"),
-                                       ("--comm_mb=1,4", "--comm_mb sets the message sizes of --comm")])
+                                       ("--sweep --repeats=2", "--sweep runs each world size once"),
+                                       ("--backends=ddp,ddp", "--backends lists a row twice")])
 def test_bench_refuses_bad_input_before_running(tmp_path, arg, named):
     res = python(REPO / "bench.py", *arg.split(), f"--work_dir={tmp_path / 'work'}")
     assert res.returncode == 2 and named in res.stderr.splitlines()[-1], res.describe()
