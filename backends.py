@@ -58,6 +58,16 @@ def init_distributed(dist_backend, pg_backend, device, timeout_s):
     return rank, world_size, device
 
 
+def use_deterministic_kernels():
+    """Equal inputs give equal bits on a GPU, so that backends can be compared bit for bit: cuBLAS's
+    fixed workspace (read when cuBLAS starts: call this before the first matmul), torch's
+    deterministic algorithms, and math attention (the fused kernels' backward sums in no fixed order)."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    for kernel in ("flash", "mem_efficient", "cudnn"):
+        getattr(torch.backends.cuda, f"enable_{kernel}_sdp")(False)
+
+
 class BackendError(ValueError):
     """Bad settings: train.py prints the message as one line and exits non-zero."""
 

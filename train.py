@@ -22,7 +22,7 @@ import torch.distributed as dist
 import checkpoint
 import configurator
 import observe
-from backends import BACKENDS, BackendError, init_distributed, make_backend
+from backends import BACKENDS, BackendError, init_distributed, make_backend, use_deterministic_kernels
 from model import GPT, GPT2_MODELS, GPTConfig, load_pretrained_gpt2
 
 # -----------------------------------------------------------------------------
@@ -183,11 +183,8 @@ if master:
 device_type = "cuda" if device.startswith("cuda") else "cpu"
 torch.backends.cuda.matmul.allow_tf32 = True
 torch.backends.cudnn.allow_tf32 = True
-if deterministic:  # the same inputs give the same bits: for comparing backends, not for speed
-    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # (read when cuBLAS starts, after this)
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    for kernel in ("flash", "mem_efficient", "cudnn"):  # their backward sums in no fixed order: math attention
-        getattr(torch.backends.cuda, f"enable_{kernel}_sdp")(False)
+if deterministic:  # for comparing backends, not for speed
+    use_deterministic_kernels()
 
 # data: the batch of (iteration i, global micro-batch k) depends on (seed, i, k) alone, so every
 # world size and backend trains on the same tokens, and a resumed run on the same as an unbroken one

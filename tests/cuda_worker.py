@@ -14,7 +14,6 @@ import sys
 import traceback
 from pathlib import Path
 
-os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
@@ -27,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from fsdp_impl import MixedPrecisionPolicy as OurMixedPrecision  # noqa: E402
 from fsdp_impl import OffloadPolicy as OurOffload  # noqa: E402
 from fsdp_impl import fully_shard as our_fully_shard  # noqa: E402
+from backends import use_deterministic_kernels  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 
 CFG = dict(block_size=32, vocab_size=96, n_layer=3, n_head=2, n_embd=64)
@@ -139,11 +139,9 @@ def copy_streams(model):
 
 
 def main():
-    torch.backends.cuda.enable_flash_sdp(False)
-    torch.backends.cuda.enable_mem_efficient_sdp(False)
+    use_deterministic_kernels()
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
-    torch.use_deterministic_algorithms(True, warn_only=True)
     store = dist.HashStore()
     dist.init_process_group("nccl", store=store, rank=0, world_size=1)
     torch.cuda.set_device(0)

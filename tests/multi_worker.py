@@ -15,7 +15,6 @@ import os
 import sys
 from pathlib import Path
 
-os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
@@ -23,6 +22,7 @@ from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard  # noqa: E40
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from fsdp_impl import fully_shard as our_fully_shard  # noqa: E402
+from backends import use_deterministic_kernels  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 
 CFG = dict(block_size=32, vocab_size=65, n_layer=2, n_head=2, n_embd=32)
@@ -72,11 +72,9 @@ def train(shard, mesh, rank):
 
 
 def main():
-    torch.backends.cuda.enable_flash_sdp(False)
-    torch.backends.cuda.enable_mem_efficient_sdp(False)
+    use_deterministic_kernels()
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
-    torch.use_deterministic_algorithms(True, warn_only=True)
     if DEVICE == "cuda":
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     dist.init_process_group("nccl" if DEVICE == "cuda" else "gloo")
