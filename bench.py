@@ -339,16 +339,11 @@ def markdown_table(header, rows, align):
     return ["| " + " | ".join(cells) + " |" for cells in [header, rule, *rows]]
 
 
-def comm_mb(row):
-    """A row's communication per step (summed here for a file written before bench.py summed it)."""
-    return row.get("comm_mb", row["all_gather_mb"] + row["reduce_scatter_mb"] + row["all_reduce_mb"])
-
-
 def render_backends(result):
     table, paired = result["backends"], result.get("step_ratio_per_repeat", {})
     first_name, first = next(iter(table.items()))
     rows = [[f"`{b}`", fmt(row["step_ms"], first["step_ms"]), fmt(row["tokens_per_sec"], first["tokens_per_sec"], 0),
-             fmt(row["peak_mem_mb"], first["peak_mem_mb"], 0), fmt(comm_mb(row)), fmt(row["exposed_comm_ms"]),
+             fmt(row["peak_mem_mb"], first["peak_mem_mb"], 0), fmt(row["comm_mb"]), fmt(row["exposed_comm_ms"]),
              ratio_range(paired[b]) if b in paired else "-"] for b, row in table.items()]
     header = ["backend", "step ms", "tokens/s", "peak MB", "comm MB/step", "exposed comm ms",
               f"step vs {first_name}, paired: median (range)"]
