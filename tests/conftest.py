@@ -1,4 +1,5 @@
 """Shared fixtures and helpers for the tests that launch train.py (and friends) as subprocesses."""
+import atexit
 import json
 import os
 import random
@@ -6,14 +7,17 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
+import threading
 from pathlib import Path
 from typing import NamedTuple
 
 import pytest
 
-from spawn import free_port
+from spawn import Server, free_port
 
 REPO = Path(__file__).resolve().parents[1]
+SPAWN = str(REPO / "tests" / "spawn.py")
 
 # a model small enough that a whole run is dominated by process start-up
 TINY = ["--n_layer=2", "--n_head=2", "--n_embd=32", "--block_size=32", "--batch_size=4",
@@ -42,10 +46,33 @@ def subprocess_env():
     return env
 
 
-def launch(cmd, timeout, cwd=REPO, env=None):
-    """Run `cmd` in its own session (with `env` added); on timeout kill the whole process group (no orphans)."""
-    proc = subprocess.Popen([str(c) for c in cmd], cwd=cwd, env={**subprocess_env(), **(env or {})},
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+_server, _server_lock = None, threading.Lock()
+
+
+def start(cmd, cwd=REPO, env=None, fork=True):
+    """Start `cmd` in a session of its own, with `env` added to subprocess_env(). Returns a Popen,
+    or for `python ...` and `python tests/spawn.py N ...` the Popen-like Run of this worker's fork
+    server (tests/spawn.py), which starts them without an interpreter's start-up; torchrun, when
+    such a run starts it, starts its workers through the server too (PYTHON_EXEC). fork=False: a
+    real process tree, for the tests that look for processes by their environment."""
+    global _server
+    cmd, env = [str(c) for c in cmd], {**subprocess_env(), **(env or {})}
+    if cmd[0] != sys.executable or not fork:
+        return subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                start_new_session=True)
+    with _server_lock:  # (tests may start runs from several threads)
+        if _server is None:
+            _server = Server(tempfile.mkdtemp(prefix="spawn-"), subprocess_env())
+            atexit.register(_server.close)
+    env.setdefault("PYTHON_EXEC", _server.python)
+    if cmd[1] == SPAWN:
+        return _server.start(cmd[3:], int(cmd[2]), env, cwd)
+    return _server.start(cmd[1:], None, env, cwd)
+
+
+def launch(cmd, timeout, cwd=REPO, env=None, fork=True):
+    """Run `cmd` (see start); on timeout kill the whole process group (no orphans)."""
+    proc = start(cmd, cwd, env, fork)
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -69,9 +96,8 @@ def launcher(nproc, torchrun=False, job_id=True):
     if not nproc:
         return [sys.executable]
     if not torchrun:
-        return [sys.executable, REPO / "tests" / "spawn.py", str(nproc)]
-    found = shutil.which("torchrun")
-    base = [found] if found else [sys.executable, "-m", "torch.distributed.run"]
+        return [sys.executable, SPAWN, str(nproc)]
+    base = [sys.executable, "-m", "torch.distributed.run"]  # (torchrun's own entry point, which start() forks)
     return base + (["--standalone"] if job_id else [f"--master_port={free_port()}"]) + [f"--nproc_per_node={nproc}"]
 
 

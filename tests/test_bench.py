@@ -493,8 +493,7 @@ def test_render_into_a_file_replaces_only_its_results_block(tmp_path, capsys):
 def test_render_into_a_file_without_the_block_fails_in_one_line(text, tmp_path):
     doc = tmp_path / "DOC.md"
     doc.write_text(text)
-    res = subprocess.run([sys.executable, REPO / "bench.py", "--render", doc], capture_output=True, text=True,
-                         timeout=60)
+    res = launch([sys.executable, REPO / "bench.py", "--render", doc], timeout=60)
     assert res.returncode != 0 and res.stderr.splitlines() == [
         f"error: {doc} has no results block: a line '{bench.RESULTS_BEGIN}', later one '{bench.RESULTS_END}'"]
     assert doc.read_text() == text  # (untouched)
@@ -706,8 +705,7 @@ def test_bench_rows_carry_their_own_settings(char_data, tmp_path):
                                                                       "--steps is not for it"),
                                           (["--render", "--n_layer=2"], "--n_layer=2 is not for it")])
 def test_bench_rejects_bad_arguments_before_running(args, problem, tmp_path):
-    res = subprocess.run([sys.executable, REPO / "bench.py", *args, f"--work_dir={tmp_path}"],
-                         capture_output=True, text=True, timeout=60, cwd=REPO)
+    res = launch([sys.executable, REPO / "bench.py", *args, f"--work_dir={tmp_path}"], timeout=60)
     assert res.returncode == 2 and problem in res.stderr.splitlines()[-1], res.stderr
     assert not any(tmp_path.iterdir())  # nothing ran
 
@@ -800,8 +798,7 @@ def test_profiled_steps_hold_training_steps_only_and_enclose_their_logged_time(b
         if rank == 0:  # (rank 0 logs): the clocks of time.time() and the profiler may differ by far under 0.5 ms
             for s in steps:
                 assert dt_ms[int(s["name"].split("#")[1])] <= s["dur"] / 1e3 + 0.5, (s, dt_ms)
-    cli = subprocess.run([sys.executable, "overlap.py", str(tmp_path / "traces" / backend / "rank0.json")],
-                         cwd=REPO, capture_output=True, text=True, timeout=60)
+    cli = launch([sys.executable, "overlap.py", str(tmp_path / "traces" / backend / "rank0.json")], timeout=60)
     assert cli.returncode == 0, cli.stderr
     path, *step_lines, places_header = cli.stdout.splitlines()[:5]
     assert [line.split(":")[0].strip() for line in step_lines] == ["ProfilerStep#2", "ProfilerStep#3", "ProfilerStep#4"]

@@ -2,13 +2,12 @@
 import json
 import math
 import re
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+from conftest import REPO, launch
+
 sys.path.insert(0, str(REPO))
 import compare  # noqa: E402
 
@@ -77,8 +76,7 @@ def test_overall_max_diff_looks_at_every_pair():
 def test_cli(tmp_path):
     a, b = make_runs(tmp_path)
     png = tmp_path / "cmp.png"
-    res = subprocess.run([sys.executable, str(REPO / "compare.py"), str(a), str(b), "--out", str(png)],
-                         capture_output=True, text=True, timeout=120)
+    res = launch([sys.executable, str(REPO / "compare.py"), str(a), str(b), "--out", str(png)], timeout=120)
     assert res.returncode == 0, res.stderr
     assert png.exists() and png.stat().st_size > 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -92,14 +90,13 @@ def test_missing_metrics_exits_1(tmp_path):
     a, _ = make_runs(tmp_path)
     empty = tmp_path / "no_metrics"
     empty.mkdir()
-    res = subprocess.run([sys.executable, str(REPO / "compare.py"), str(a), str(empty),
-                          "--out", str(tmp_path / "x.png")], capture_output=True, text=True, timeout=120)
+    res = launch([sys.executable, str(REPO / "compare.py"), str(a), str(empty),
+                          "--out", str(tmp_path / "x.png")], timeout=120)
     assert res.returncode == 1
     lines = res.stderr.strip().splitlines()
     assert lines == [f"error: no metrics.jsonl in {empty}"], lines
     assert not (tmp_path / "x.png").exists()
-    res = subprocess.run([sys.executable, str(REPO / "compare.py"), str(a), str(tmp_path / "typo")],
-                         capture_output=True, text=True, timeout=120)
+    res = launch([sys.executable, str(REPO / "compare.py"), str(a), str(tmp_path / "typo")], timeout=120)
     assert res.returncode == 1 and res.stderr.splitlines() == [f"error: {tmp_path / 'typo'} does not exist"]
 
 
@@ -108,8 +105,7 @@ def test_missing_metrics_exits_1(tmp_path):
 def test_an_unwritable_plot_is_refused_before_reading_runs(tmp_path, out, problem):
     """(matplotlib raised at the end, after the table, for a format it does not write or a missing folder)"""
     a, _ = make_runs(tmp_path)
-    res = subprocess.run([sys.executable, str(REPO / "compare.py"), str(a), "--out", str(tmp_path / out)],
-                         capture_output=True, text=True, timeout=120)
+    res = launch([sys.executable, str(REPO / "compare.py"), str(a), "--out", str(tmp_path / out)], timeout=120)
     assert res.returncode == 2 and problem in res.stderr.splitlines()[-1] and not res.stdout, res.stderr
 
 

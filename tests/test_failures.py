@@ -13,12 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, free_port, launch, launcher, load_metrics, losses, one_error_line, run_train, subprocess_env
-
-
-def start(cmd, env=None):
-    return subprocess.Popen([str(c) for c in cmd], cwd=REPO, env={**subprocess_env(), **(env or {})},
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+from conftest import REPO, free_port, launch, launcher, load_metrics, losses, one_error_line, run_train, start
 
 
 def finish(proc, timeout):
@@ -125,7 +120,7 @@ SLOW_EVAL = "--eval_iters=2000"
 
 
 def kill_one_worker_after_first_checkpoint(out_dir, cmd, env=None):
-    proc = start(cmd, env)
+    proc = start(cmd, env=env)
     wait_for_checkpoint(out_dir, proc)
     workers = children(proc.pid)
     assert workers, "torchrun has no workers"
@@ -148,21 +143,22 @@ def test_sigkill_mid_training_stops_the_job_and_resume_is_exact(args, unbroken, 
 
 
 def test_a_hung_rank_times_out_instead_of_hanging_the_job(args, tmp_path):
-    """A worker that stops answering (SIGSTOP: alive, silent): the other one's next collective
-    gives up after dist_timeout_s and the job ends, instead of waiting forever. (The timeout covers
-    the start too: 5 s was once too short for a rank to join on the loaded CI machine.)"""
-    cmd = launcher(2, torchrun=True) + [REPO / "train.py", f"--out_dir={tmp_path}", "--device=cpu", *args,
-                         "--dist_backend=custom_fsdp", "--max_iters=1000000", "--dist_timeout_s=20"]
+    """A rank that stops answering (SIGSTOP: alive, silent): the other one's next collective gives
+    up after dist_timeout_s and the job ends, instead of waiting forever. Launched by tests/spawn.py,
+    whose children are the ranks themselves (torchrun's are relays: see conftest.start), so the
+    ranks start at once and a short timeout holds the start too (with torchrun's start it did not)."""
+    cmd = launcher(2) + [REPO / "train.py", f"--out_dir={tmp_path}", "--device=cpu", *args,
+                         "--dist_backend=custom_fsdp", "--max_iters=1000000", "--dist_timeout_s=5"]
     proc = start(cmd)
     try:
         wait_for_checkpoint(tmp_path, proc)
-        healthy, hung = children(proc.pid)
+        healthy, hung = sorted(children(proc.pid))  # (rank 0 was started first)
         os.kill(hung, signal.SIGSTOP)
         t0 = time.time()
         while not ended(healthy):
             assert time.time() - t0 < 60, "the healthy rank did not give up"
             time.sleep(0.2)
-        # torchrun has sent the stopped worker SIGTERM, which it would SIGKILL after a 30 s grace
+        # the launcher has sent the stopped rank SIGTERM, which it would SIGKILL after a 30 s grace
         # period: let it take the signal now
         os.kill(hung, signal.SIGCONT)
         code, _, err = finish(proc, 60)
@@ -183,7 +179,7 @@ def test_sigkill_mid_save_keeps_the_previous_checkpoint(args, unbroken, saved, t
     cmd = launcher(2, torchrun=True) + [REPO / "train.py", f"--out_dir={tmp_path}", "--device=cpu", *args,
                          "--dist_backend=custom_fsdp", "--init_from=resume", "--max_iters=8"]
     t0 = time.time()
-    code, _, _ = finish(start(cmd, {"CHECKPOINT_TEST_CRASH": "0"}), 120)
+    code, _, _ = finish(start(cmd, env={"CHECKPOINT_TEST_CRASH": "0"}), 120)
     assert code != 0 and time.time() - t0 < 90
     assert (tmp_path / "latest").read_text() == "ckpt-0000004"
     assert (tmp_path / "ckpt-0000008.tmp").exists() and not (tmp_path / "ckpt-0000008").exists()

@@ -908,10 +908,9 @@ def test_wandb_offline_run_records_the_curves(tiny_args, tmp_path):
     """wandb gets the numbers metrics.jsonl has: every step's loss, grad norm and lr, and the
     evaluation. train.py leaves with os._exit, past wandb's own teardown: it must finish the run
     itself, or the offline run file holds a header and nothing else."""
-    cmd = ["env", "WANDB_MODE=offline", f"WANDB_DIR={tmp_path}", *launcher(2), REPO / "train.py",
-           f"--out_dir={tmp_path / 'out'}", "--device=cpu", *tiny_args, "--dist_backend=custom_fsdp",
-           "--max_iters=3", "--eval_interval=3", "--keep_checkpoints=0", "--wandb_log=True"]
-    res = launch(cmd, timeout=300)
+    cmd = [*launcher(2), REPO / "train.py", f"--out_dir={tmp_path / 'out'}", "--device=cpu", *tiny_args,
+           "--dist_backend=custom_fsdp", "--max_iters=3", "--eval_interval=3", "--keep_checkpoints=0", "--wandb_log=True"]
+    res = launch(cmd, timeout=300, env={"WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path)})
     assert res.returncode == 0, res.describe()
     runs = list(tmp_path.glob("wandb/offline-run-*/run-*.wandb"))
     assert len(runs) == 1, runs  # rank 0 logs
