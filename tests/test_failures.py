@@ -112,34 +112,43 @@ def test_hsdp_across_nodes_matches_plain_fsdp(args, one_node_w4, tmp_path):
     assert max(abs(hsdp[i] - fsdp[i]) / fsdp[i] for i in hsdp) <= 1e-6
 
 
-# evaluations long enough (about 5 s each here) that a rank killed as the first checkpoint
-# appears dies before the run's next one, or its end, some 10 s later: with 2 batches, the 8
-# iterations and two saves left sometimes fit in the 0.2 s before the kill, and the job ended
-# cleanly (the losses do not depend on the evaluation)
-SLOW_EVAL = "--eval_iters=2000"
+# run as torchrun's script before train.py: rank 1 SIGKILLs itself as the first checkpoint is
+# committed (checkpoint.save returns after `latest` is written), on the job's first attempt only.
+# The fault fires where it should, not in a race with a test polling for the checkpoint.
+KILL_RANK_1_AFTER_FIRST_SAVE = """
+import os, runpy, signal, sys
+sys.path.insert(0, os.path.dirname(sys.argv[1]))
+import checkpoint
+save = checkpoint.save
+def save_then_die(*args, **kwargs):
+    save(*args, **kwargs)
+    if os.environ["RANK"] == "1" and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+        os.kill(os.getpid(), signal.SIGKILL)
+checkpoint.save = save_then_die
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
 
 
-def kill_one_worker_after_first_checkpoint(out_dir, cmd, env=None):
-    proc = start(cmd, env=env)
-    wait_for_checkpoint(out_dir, proc)
-    workers = children(proc.pid)
-    assert workers, "torchrun has no workers"
-    os.kill(workers[-1], signal.SIGKILL)
-    t0 = time.time()
-    return proc, t0
+def killing_rank_1_after_first_save(tmp_path):
+    """The script that runs train.py (its next argument) with KILL_RANK_1_AFTER_FIRST_SAVE."""
+    script = tmp_path / "kill_rank_1_after_first_save.py"
+    script.write_text(KILL_RANK_1_AFTER_FIRST_SAVE)
+    return script
 
 
 def test_sigkill_mid_training_stops_the_job_and_resume_is_exact(args, unbroken, tmp_path):
-    cmd = launcher(2, torchrun=True) + [REPO / "train.py", f"--out_dir={tmp_path}", "--device=cpu", *args,
-                                        "--dist_backend=custom_fsdp", SLOW_EVAL]
-    proc, t0 = kill_one_worker_after_first_checkpoint(tmp_path, cmd)
-    code, _, _ = finish(proc, 120)
-    assert code != 0 and time.time() - t0 < 60  # torchrun tears the other rank down: no hang
-    res = run_train(tmp_path, 2, *args, "--dist_backend=custom_fsdp", "--init_from=resume")
+    out = tmp_path / "out"
+    cmd = launcher(2, torchrun=True) + [killing_rank_1_after_first_save(tmp_path), REPO / "train.py",
+                                        f"--out_dir={out}", "--device=cpu", *args, "--dist_backend=custom_fsdp"]
+    code, _, err = finish(start(cmd), 120)
+    killed_at = (out / "latest").stat().st_mtime
+    assert code != 0 and time.time() - killed_at < 60, err[-4000:]  # torchrun tears the other rank down: no hang
+    assert (out / "latest").read_text() == "ckpt-0000004"
+    res = run_train(out, 2, *args, "--dist_backend=custom_fsdp", "--init_from=resume")
     assert res.returncode == 0, res.describe()
-    resumed = losses(tmp_path)
-    start_iter = int((tmp_path / "latest").read_text().split("-")[1])
-    assert all(resumed[i] == unbroken[i] for i in range(4, 12)), (resumed, unbroken, start_iter)
+    resumed = losses(out)
+    assert all(resumed[i] == unbroken[i] for i in range(4, 12)), (resumed, unbroken)
 
 
 def test_a_hung_rank_times_out_instead_of_hanging_the_job(args, tmp_path):
@@ -191,13 +200,13 @@ def test_sigkill_mid_save_keeps_the_previous_checkpoint(args, unbroken, saved, t
 
 @pytest.mark.parametrize("job_id", [True, False], ids=["standalone", "id_none"])
 def test_elastic_restart_continues_from_the_last_checkpoint(args, unbroken, tmp_path, job_id):
-    cmd = launcher(2, torchrun=True, job_id=job_id) + ["--max_restarts=1", REPO / "train.py", f"--out_dir={tmp_path}",
-                                                       "--device=cpu", *args, "--dist_backend=custom_fsdp", SLOW_EVAL]
-    proc, _ = kill_one_worker_after_first_checkpoint(tmp_path, cmd)
-    code, out, err = finish(proc, 300)
+    cmd = launcher(2, torchrun=True, job_id=job_id) + ["--max_restarts=1", killing_rank_1_after_first_save(tmp_path),
+                                                       REPO / "train.py", f"--out_dir={tmp_path / 'out'}",
+                                                       "--device=cpu", *args, "--dist_backend=custom_fsdp"]
+    code, out, err = finish(start(cmd), 300)
     assert code == 0, err[-4000:]
-    assert "resuming from the last checkpoint" in out
-    assert losses(tmp_path) == unbroken  # later rows (after the restart) win for repeated iterations
+    assert "restart 1: resuming from the last checkpoint" in out and "resumed from" in out, out
+    assert losses(tmp_path / "out") == unbroken  # later rows (after the restart) win for repeated iterations
 
 
 def test_keeps_the_last_k_checkpoints(args, tmp_path):

@@ -329,14 +329,20 @@ def test_accumulation_syncs_on_last_microstep_only(accum_counts, backend):
 # 6. torch.compile
 
 
-@pytest.mark.parametrize("wrap_policy", ["block", "model"])  # per-block graphs; one whole-forward graph
-def test_compile_matches_eager(runs_a, tiny_args, tmp_path, wrap_policy):
+# inductor end to end under each backend: the sharded ones compile each block's forward and the output
+# layer (the same graphs under fsdp and custom_fsdp, so the second finds them in inductor's cache);
+# custom_fsdp with one unit compiles the whole forward, ddp the whole model
+COMPILED = [("custom_fsdp", "block"), ("fsdp", "block"), ("custom_fsdp", "model"), ("ddp", "block")]
+
+
+@pytest.mark.parametrize("backend,wrap_policy", COMPILED, ids=[f"{b}-{w}" for b, w in COMPILED])
+def test_compile_matches_eager(runs_a, tiny_args, tmp_path, backend, wrap_policy):
     out = tmp_path / "compiled"
     args = [a for a in tiny_args if not a.startswith("--compile")]
     config = [a for a in CONFIG_A if not a.startswith("--max_iters")]
-    train_ok(out, 2, *args, *config, "--max_iters=3", "--compile=True", "--dist_backend=custom_fsdp",
+    train_ok(out, 2, *args, *config, "--max_iters=3", "--compile=True", f"--dist_backend={backend}",
              f"--wrap_policy={wrap_policy}", timeout=540)
-    assert_close(losses(out), only(losses(runs_a["custom_fsdp"]), range(3)), 1e-4, "compiled vs eager")
+    assert_close(losses(out), only(losses(runs_a[backend]), range(3)), 1e-4, "compiled vs eager")
 
 
 # a script's start: the backend settings train.py passes make_backend, for a small CPU model;
