@@ -208,10 +208,11 @@ def tiny_args(char_data):
     return [f"--data_dir={char_data}", *TINY]
 
 
-# the files that take longest (3 to 9 minutes each of the suite's 30 here), run first: with
-# `-n 2 --dist loadfile` each file goes whole to the next free worker, in this order, so a long
-# file taken last would leave the other worker idle while it runs
-SLOWEST_FILES = ("test_failures.py", "test_train.py", "test_bench.py", "test_fsdp_impl.py")
+# the files that take longest, longest first, run first: with `-n 2 --dist loadfile` each file goes
+# whole to the next free worker, in this order, so a long file taken last would leave the other
+# worker idle while it runs
+SLOWEST_FILES = ("test_train.py", "test_fsdp_impl.py", "test_failures.py", "test_bench.py", "test_pretrained.py",
+                 "test_fakehosts.py")
 
 
 def pytest_collection_modifyitems(items):

@@ -19,7 +19,9 @@ imported (torch reads a few environment variables as it imports; the tests vary 
            └─ rank 0 .. N-1
 
 The server reaps each run and sends its exit status to the test, whose `Run` stands in for the
-subprocess.Popen it would otherwise hold.
+subprocess.Popen it would otherwise hold. torchrun, started as such a run, starts its workers
+through the server too: PYTHON_EXEC (torchrun's own setting) names a small client, `client()`,
+which the server forks the worker for. The server never initializes CUDA, so a forked run may.
 """
 import fcntl
 import json

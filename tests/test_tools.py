@@ -272,6 +272,52 @@ def test_spawn_gives_ranks_torchruns_environment_and_stops_them_when_one_fails(t
     assert res.returncode == (0 if failing_rank < 0 else 3), res.describe()  # (not the 120 s sleep's end)
 
 
+PROBE = """
+import os, sys
+print(sys.argv, os.getcwd(), os.environ.get("PROBE"), __name__, sys.path[0], globals().get("__file__"))
+print("to stderr", file=sys.stderr)
+sys.exit(int(sys.argv[1]))
+"""
+
+
+@pytest.mark.parametrize("form", ["script", "-c"])
+def test_a_forked_run_is_what_a_new_interpreter_would_be(tmp_path, form):
+    """The fork server's run against a real `python` of the same command: the same argv, directory,
+    environment, __main__, sys.path[0], __file__, output and exit code."""
+    (tmp_path / "probe.py").write_text(PROBE)
+    argv = ["probe.py", "7"] if form == "script" else ["-c", PROBE, "7"]
+    forked, real = (launch([sys.executable, *argv], timeout=60, cwd=tmp_path, env={"PROBE": "x"}, fork=fork)
+                    for fork in (True, False))
+    assert (forked.returncode, forked.stdout, forked.stderr) == (real.returncode, real.stdout, real.stderr) \
+        == (7, real.stdout, "to stderr\n"), (forked.describe(), real.describe())
+
+
+# torchrun's view of a worker started through PYTHON_EXEC: a process whose run the server forked
+CLIENT_OF_A_SLEEPER = """
+import os, pathlib, signal, subprocess, sys, time
+pid_file, how = pathlib.Path(sys.argv[1]), getattr(signal, sys.argv[2])
+sleeper = "import os, pathlib, sys, time; pathlib.Path(sys.argv[1]).write_text(str(os.getpid())); time.sleep(60)"
+client = subprocess.Popen([os.environ["PYTHON_EXEC"], "-u", "-c", sleeper, str(pid_file)])
+while not pid_file.exists() or not pid_file.read_text():
+    time.sleep(0.01)
+run = int(pid_file.read_text())
+os.kill(client.pid, how)
+code = client.wait()
+deadline = time.time() + 10
+while os.path.exists(f"/proc/{run}") and time.time() < deadline:
+    time.sleep(0.01)
+print(run != client.pid, code, os.path.exists(f"/proc/{run}"))
+"""
+
+
+@pytest.mark.parametrize("how", ["SIGTERM", "SIGKILL"])
+def test_a_client_passes_signals_on_and_its_run_does_not_outlive_it(tmp_path, how):
+    """SIGTERM to the client reaches the run, and the client exits as the run did; a SIGKILLed client
+    takes the run along (as torchrun, stopping or killing a worker, expects)."""
+    res = launch([sys.executable, "-c", CLIENT_OF_A_SLEEPER, tmp_path / "pid", how], timeout=60)
+    assert res.stdout.split() == ["True", str(-getattr(__import__("signal"), how)), "False"], res.describe()
+
+
 def test_a_free_port_comes_from_this_workers_block_below_the_ephemeral_range(monkeypatch):
     """Two xdist workers never draw the same port, and no socket bound to port 0 (which the kernel
     serves from its ephemeral range) takes one between the draw and rank 0's bind."""
