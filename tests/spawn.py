@@ -38,6 +38,8 @@ import traceback
 import types
 
 GRACE_S = 30
+# SIGTERM's handler as the interpreter started: what a run gets back (under coverage.py, its own)
+FRESH_SIGTERM = signal.getsignal(signal.SIGTERM)
 # what the scripts under test import at their top: loaded once in the server, not in every run
 PRELOAD = ("numpy", "torch", "torch.distributed", "torch.distributed.checkpoint",
            "torch.distributed.checkpoint.state_dict", "torch.distributed.fsdp", "torch.distributed.tensor",
@@ -149,8 +151,7 @@ def leave(code):
 
 def become(request, fds):
     """In a forked child: take the request's environment, directory and file descriptors."""
-    for sig in (signal.SIGTERM, signal.SIGCHLD):
-        signal.signal(sig, signal.SIG_DFL)
+    signal.signal(signal.SIGTERM, FRESH_SIGTERM)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     os.environ.clear()
     os.environ.update(request["env"])
@@ -175,7 +176,7 @@ def child_main(request):
         pid = os.fork()
         if pid == 0:
             os.environ.update(env)
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            signal.signal(signal.SIGTERM, FRESH_SIGTERM)
             leave(run_program(request["argv"]))
         return pid
     return run_ranks(request["nproc"], start_rank)
