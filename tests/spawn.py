@@ -38,8 +38,7 @@ import traceback
 import types
 
 GRACE_S = 30
-# SIGTERM's handler as the interpreter started: what a run gets back (under coverage.py, its own)
-FRESH_SIGTERM = signal.getsignal(signal.SIGTERM)
+server_sigterm = None  # the server's SIGTERM handler, which a run puts back to the default
 # what the scripts under test import at their top: loaded once in the server, not in every run
 PRELOAD = ("numpy", "torch", "torch.distributed", "torch.distributed.checkpoint",
            "torch.distributed.checkpoint.state_dict", "torch.distributed.fsdp", "torch.distributed.tensor",
@@ -151,7 +150,8 @@ def leave(code):
 
 def become(request, fds):
     """In a forked child: take the request's environment, directory and file descriptors."""
-    signal.signal(signal.SIGTERM, FRESH_SIGTERM)
+    if signal.getsignal(signal.SIGTERM) is server_sigterm:  # (not if coverage.py took it after the fork)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     os.environ.clear()
     os.environ.update(request["env"])
@@ -176,7 +176,6 @@ def child_main(request):
         pid = os.fork()
         if pid == 0:
             os.environ.update(env)
-            signal.signal(signal.SIGTERM, FRESH_SIGTERM)
             leave(run_program(request["argv"]))
         return pid
     return run_ranks(request["nproc"], start_rank)
@@ -188,16 +187,21 @@ def serve(path):
     request in a forked child (which runs it), never in the server."""
     for name in PRELOAD:
         __import__(name)
-    parent = os.getppid()
+    parent, server = os.getppid(), os.getpid()
     runs = {}  # pid -> the connection its exit status goes to
 
     def shut_down(*_):
+        if os.getpid() != server:  # a run's SIGTERM that reached this handler (coverage.py's passes it
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)  # on): what it does to a new interpreter
+            os.kill(os.getpid(), signal.SIGTERM)
         for pid in runs:
             try:
                 os.killpg(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
         sys.exit(0)
+    global server_sigterm
+    server_sigterm = shut_down
     signal.signal(signal.SIGTERM, shut_down)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path)
