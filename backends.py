@@ -278,8 +278,8 @@ class FSDPBackend(Backend):
             from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
             self.offload_policy = CPUOffloadPolicy() if cfg["cpu_offload"] else None
         else:
-            from fsdp_impl import MixedPrecisionPolicy, OffloadPolicy, fully_shard
-            self.offload_policy = OffloadPolicy() if cfg["cpu_offload"] else None
+            from fsdp_impl import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+            self.offload_policy = CPUOffloadPolicy() if cfg["cpu_offload"] else None
         self.fully_shard = fully_shard
         self.mp_policy = MixedPrecisionPolicy(
             param_dtype=None if self.dtype == torch.float32 else self.dtype, reduce_dtype=torch.float32)

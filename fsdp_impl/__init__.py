@@ -1,4 +1,4 @@
 """Our fully sharded data parallel (ZeRO-3), with FSDP2's API. See IMPLEMENTATION.md."""
-from .api import FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from .api import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-__all__ = ["fully_shard", "FSDPModule", "MixedPrecisionPolicy", "OffloadPolicy"]
+__all__ = ["fully_shard", "FSDPModule", "MixedPrecisionPolicy", "OffloadPolicy", "CPUOffloadPolicy"]

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch._dynamo
 import torch.distributed as dist
+import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.utils import _apply_to_tensors
 
@@ -31,44 +32,68 @@ class MixedPrecisionPolicy:
 
 @dataclass(frozen=True)
 class OffloadPolicy:
-    """Keep sharded parameters, gradients (and so optimizer state) in pinned CPU memory."""
+    """No offloading: FSDP2's base policy and the default."""
+
+
+@dataclass(frozen=True)
+class CPUOffloadPolicy(OffloadPolicy):
+    """Keep sharded parameters, gradients (and so optimizer state) in CPU memory, pinned by default.
+    On a CPU mesh they are there already: nothing moves."""
     pin_memory: bool = True
 
 
-_default_mesh = None
+_default_meshes = {}  # the default process group -> the 1-D mesh over it
 
 
 def _mesh_for(mesh):
-    global _default_mesh
+    """`mesh`, or one over the default process group on the accelerator if there is one (as FSDP2's
+    default). A process group made anew after a destroy gets a mesh of its own."""
     if mesh is not None:
         return mesh
-    if _default_mesh is None:
-        device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
-        _default_mesh = init_device_mesh(device_type, (dist.get_world_size(),))
-    return _default_mesh
+    group = dist.distributed_c10d._get_default_group()
+    if group not in _default_meshes:
+        _default_meshes.clear()  # (a mesh over a destroyed group is of no use)
+        accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+        _default_meshes[group] = init_device_mesh(accelerator.type if accelerator else "cpu", (group.size(),))
+    return _default_meshes[group]
+
+
+def _offloads(policy):
+    """Whether an offload policy (ours or torch's) moves the shards to CPU memory: CPUOffloadPolicy,
+    by its pin_memory field; the base OffloadPolicy() does not."""
+    return policy is not None and hasattr(policy, "pin_memory")
+
+
+def _check(modules, mesh):
+    """Refuse at once what FSDP2 refuses, with its exception types."""
+    if mesh.ndim not in (1, 2):
+        raise ValueError(f"fully_shard: a {mesh.ndim}-D mesh; use a 1-D mesh (shard) or a 2-D one (replicate, shard)")
+    for m in modules:
+        if isinstance(m, (nn.ModuleList, nn.ModuleDict)) and type(m).forward is nn.Module.forward:
+            raise ValueError(f"fully_shard: {type(m).__name__} has no forward of its own; shard the modules it "
+                             "holds, or a module that runs them")
+        if hasattr(m, "_fsdp_unit"):  # (FSDP2 raises AssertionError here too)
+            raise AssertionError(f"fully_shard: this {type(m).__name__} was sharded already (once per module)")
 
 
 def fully_shard(module, *, mesh=None, reshard_after_forward=None, mp_policy=MixedPrecisionPolicy(),
-                offload_policy=None):
+                offload_policy=OffloadPolicy()):
     """Shard `module`'s parameters (those no nested fully_shard took) over `mesh`'s last dim.
 
     reshard_after_forward: True frees the gathered parameters after forward (ZeRO-3), False keeps
     them until after backward (ZeRO-2); None means True, except for the root, which keeps them.
     FSDP2's int form is taken where it means a bool (1 or the shard group's size).
-    offload_policy: ours or torch's CPUOffloadPolicy (CUDA only); torch's base OffloadPolicy() is none.
+    offload_policy: CPUOffloadPolicy (ours or torch's) keeps the shards in CPU memory; the base
+    OffloadPolicy() keeps them on the mesh's device, as on a CPU mesh any policy does.
     A 2-D mesh (replicate, shard) gives HSDP.
     As FSDP2's, it moves the modules' buffers to the mesh's device, and on CUDA the root's forward
     moves its inputs there.
     """
     mesh = _mesh_for(mesh)
-    if offload_policy is not None and not hasattr(offload_policy, "pin_memory"):
-        offload_policy = None  # torch's base OffloadPolicy(): FSDP2's default, which offloads nothing
-    if offload_policy is not None and mesh.device_type != "cuda":
-        raise ValueError("offload_policy needs CUDA: on a CPU run parameters already live in CPU memory")
     modules = list(module) if isinstance(module, (list, tuple)) else [module]
-    for m in modules:
-        if hasattr(m, "_fsdp_unit"):
-            raise ValueError(f"fully_shard: this {type(m).__name__} was sharded already (once per module)")
+    _check(modules, mesh)
+    if not _offloads(offload_policy) or mesh.device_type == "cpu":
+        offload_policy = None  # nothing to move: no policy, the base one, or a CPU mesh
     unit = ShardedUnit(modules, mesh, reshard_after_forward, mp_policy, offload_policy)
     for m in modules:
         for sub in m.modules():  # units sharded before this one, inside it: this is their parent
@@ -236,8 +261,16 @@ class FSDPModule:
                 self.__dict__["_fsdp_units_below"] = units
         return units
 
+    def __new__(cls, *args, **kwargs):
+        """A module built from a sharded one's class (slicing an nn.Sequential builds `type(self)(...)`)
+        is of the original class: only fully_shard makes FSDP modules (as in FSDP2)."""
+        original = cls.__mro__[2]  # (FSDP<name>, FSDPModule, the original class, ...)
+        module = original.__new__(original, *args, **kwargs)
+        module.__init__(*args, **kwargs)
+        return module
+
     def __deepcopy__(self, memo):
-        raise TypeError(f"copy.deepcopy of a fully_shard-ed {type(self).__name__}: each rank holds only its shards "
+        raise AssertionError(f"copy.deepcopy of a fully_shard-ed {type(self).__name__}: each rank holds only its shards "
                         "(FSDP2 refuses it too); load its state_dict() into a model of its own")
 
     def unshard(self, async_op=False):

@@ -7,7 +7,8 @@ Schedule: the root's view of a training step, shared by all units under one root
   while this unit computes; in backward, the unit that runs backward next is gathered likewise.
   Explicit lists set with set_modules_to_{forward,backward}_prefetch override the recorded order.
 - At most one reduce-scatter is in flight: a unit finishes the previous one before issuing its
-  own, so it overlaps exactly one unit's backward and unsharded grads never pile up.
+  own, so it overlaps exactly one unit's backward and unsharded grads never pile up. Under HSDP
+  each finished reduce-scatter issues an all-reduce across replicas, waited at the end of backward.
 - An autograd callback at the end of backward runs the post-backward of units whose gate did
   not fire (no input that requires grad, such as the root's token ids; a unit unused in this
   step) and waits for every pending reduction, so the sharded .grads are complete when
@@ -47,6 +48,7 @@ class Schedule:
         self.recording = True
         self.next_forward, self.next_backward = {}, {}
         self.pending_reductions = []
+        self.pending_all_reduces = []  # HSDP: units whose all-reduce across replicas is in flight
         self.read_by_copy_out = None  # (tensors, event): see hold_until_read
         self.end_of_backward_queued = False
         _schedules.add(self)
@@ -109,6 +111,8 @@ class Schedule:
             unit.post_backward()  # no-op for units whose gate ran it already
         self.finish_reductions()
         self.release_read()
+        while self.pending_all_reduces:
+            self.pending_all_reduces.pop(0).finish_all_reduce()
         for unit in self.units:
             unit.all_reduce_kept_sums()
             unit.wait_copy_out()  # the optimizer reads offloaded grads on the CPU, next
@@ -122,5 +126,6 @@ class Schedule:
         for unit in self.units:
             unit.reset()
         self.pending_reductions.clear()
+        self.pending_all_reduces.clear()
         self.release_read()
         self.end_of_backward_queued = False

@@ -58,6 +58,12 @@ def on_stream(stream):
     return torch.cuda.stream(stream) if stream is not None else comm.NOTHING
 
 
+def same_storage(a, b):
+    """Whether tensors a and b view one storage. By the storage object, not its address: two
+    storages without memory (empty, or fake tensors') both report address 0."""
+    return a.untyped_storage()._cdata == b.untyped_storage()._cdata
+
+
 def dtensor_around(local, mesh, placements, shape, stride):
     """A DTensor whose local tensor is `local` itself, wherever it lives. (DTensor.from_local moves
     a tensor to the mesh's device type: an offloaded shard in CPU memory would become a GPU copy,
@@ -126,6 +132,7 @@ class ShardedUnit:
         self._copied_out = None  # offload: event of the grads' copy to CPU memory, while in flight
         self._reduction = None  # (work, input, output, params) while a reduce-scatter is in flight
         self._partial_reduction = None  # HSDP with all-reduce off: reduce-scattered, not yet averaged
+        self._all_reduce = None  # HSDP: (work, output, params) while the all-reduce across replicas is in flight
         self._phase_range = None  # profiler range of this unit's forward or backward, while open
         self._shard()
         self._move_buffers()
@@ -238,9 +245,7 @@ class ShardedUnit:
     def _adopt_materialized_params(self):
         """After module.to_empty() or module.to(dtype), parameters hold fresh tensors: copy them back
         into a flat shard (of their dtype)."""
-        if not self.params or all(
-                ps.sharded.to_local().untyped_storage().data_ptr() == self.flat_shard.untyped_storage().data_ptr()
-                for ps in self.params):
+        if not self.params or all(same_storage(ps.sharded.to_local(), self.flat_shard) for ps in self.params):
             return
         if any(ps.sharded.is_meta for ps in self.params):
             return  # a load into a meta model under way: the hook of its last module adopts them all
@@ -358,9 +363,10 @@ class ShardedUnit:
     def reset(self):
         """Back to SHARDED and idle after an exception in forward or backward; collectives in
         flight complete (the peers posted them too) and their gradients are dropped."""
-        if self._reduction is not None:
-            self._reduction[0].wait()
-            self._reduction = None
+        for pending in (self._reduction, self._all_reduce):
+            if pending is not None:
+                pending[0].wait()
+        self._reduction = self._all_reduce = None
         self.wait_copy_out()
         self.reshard()
         self._end_phase_range()
@@ -538,19 +544,37 @@ class ShardedUnit:
 
     @torch.no_grad()
     def finish_reduction(self):
-        """Wait for this unit's reduce-scatter and accumulate the result into the sharded grads."""
+        """Wait for this unit's reduce-scatter and accumulate the result into the sharded grads.
+        Under HSDP, issue the all-reduce across replicas instead: the end of backward waits for it
+        (finish_all_reduce), so it runs beside the backward of the units still to come."""
+        self.finish_all_reduce()  # (a unit reduced twice in one backward: the first one's grads first)
         work, rs_input, output, params = self._reduction
         self._reduction = None
         with profiled(f"fsdp::reduce_scatter_wait {self.name}"):
             work.wait()
             ledger.log("reduce_scatter_wait", self.name)
-            if self.replicate_group is not None:  # HSDP: then average across replicas
-                if self._partial_reduction is not None:
-                    output, params = self._add_partial_reduction(output, params)
-                if not self.requires_all_reduce:  # keep the replica-local sums for later
-                    self._partial_reduction = (output, params)
-                    return
-                comm.all_reduce_mean(output, self.replicate_group).wait()
+            if self.replicate_group is None:
+                self._accumulate_grads(output, params)
+                return
+            if self._partial_reduction is not None:
+                output, params = self._add_partial_reduction(output, params)
+            if not self.requires_all_reduce:  # keep the replica-local sums for later
+                self._partial_reduction = (output, params)
+                return
+            ledger.log("all_reduce", self.name)
+            self._all_reduce = (comm.all_reduce_mean(output, self.replicate_group), output, params)
+            self.schedule.pending_all_reduces.append(self)
+
+    @torch.no_grad()
+    def finish_all_reduce(self):
+        """HSDP: wait for this unit's all-reduce across replicas; its averages become the sharded grads."""
+        if self._all_reduce is None:
+            return
+        work, output, params = self._all_reduce
+        self._all_reduce = None
+        with profiled(f"fsdp::all_reduce_wait {self.name}"):
+            work.wait()
+            ledger.log("all_reduce_wait", self.name)
             self._accumulate_grads(output, params)
 
     def _copy_out(self, output, adding):
@@ -600,6 +624,9 @@ class ShardedUnit:
         # each grad one as_strided view, where a slice and a view are two ops (each ~2 us of host time, per
         # parameter and step); it reads the storage itself, so the flat output must be contiguous, as every caller's is
         assert output.is_contiguous()
+        hooked = [ps for ps in params if getattr(ps.sharded, "_post_accumulate_grad_hooks", None)]
+        if hooked and self.offload:
+            self.wait_copy_out()  # (the hooks read the grads: an optimizer stepped in backward, say)
         offset = output.storage_offset()
         for ps in params:
             local = output.as_strided(ps.local_shape, ps.stride, offset)
@@ -611,3 +638,6 @@ class ShardedUnit:
                 ps.sharded.grad = DTensor.__new__(DTensor, local, ps.sharded._spec, requires_grad=False)
             else:
                 ps.sharded.grad.to_local().add_(local)
+        for ps in hooked:  # the sharded gradient is ready: as on a plain parameter, its hooks run
+            for hook in ps.sharded._post_accumulate_grad_hooks.values():
+                hook(ps.sharded)

@@ -24,7 +24,7 @@ from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from fsdp_impl import MixedPrecisionPolicy as OurMixedPrecision  # noqa: E402
-from fsdp_impl import OffloadPolicy as OurOffload  # noqa: E402
+from fsdp_impl import CPUOffloadPolicy as OurOffload  # noqa: E402
 from fsdp_impl import fully_shard as our_fully_shard  # noqa: E402
 from backends import use_deterministic_kernels  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402

@@ -28,12 +28,16 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy as FSDP2CPUOffload
+from torch.distributed.fsdp import FSDPModule as FSDP2Module
 from torch.distributed.fsdp import MixedPrecisionPolicy as FSDP2MixedPrecision
 from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
 from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from fsdp_impl import CPUOffloadPolicy as OurCPUOffload  # noqa: E402
+from fsdp_impl import FSDPModule as OurModule  # noqa: E402
 from fsdp_impl import MixedPrecisionPolicy as OurMixedPrecision  # noqa: E402
 from fsdp_impl import fully_shard as our_fully_shard  # noqa: E402
 from fsdp_impl.comm import ledger  # noqa: E402
@@ -46,6 +50,7 @@ def leave_unsharded(module, mesh):
 
 SHARD = {"fsdp2": fsdp2_fully_shard, "ours": our_fully_shard, "plain": leave_unsharded}
 BF16 = {"fsdp2": FSDP2MixedPrecision, "ours": OurMixedPrecision}  # param_dtype bf16, reduce_dtype float32
+OFFLOAD = {"fsdp2": FSDP2CPUOffload, "ours": OurCPUOffload}
 D, STEPS, LR = 8, 3, 1e-2
 
 
@@ -120,10 +125,10 @@ class Net(nn.Module):
 
 
 def build(impl, mesh, seed=0, meta=False, grouped=False, frozen=(), bf16=False, output_dtype=None,
-          before_sharding=None, **net_kw):
+          before_sharding=None, own_units=(), offload=None, **net_kw):
     """Every block its own unit (grouped: blocks.0 alone, blocks.1 and .2 as one unit; "reversed":
-    that unit listed as [blocks.2, blocks.1]), then the root. reshard_after_forward is left at its
-    default: True for the blocks in both."""
+    that unit listed as [blocks.2, blocks.1]), then the modules named in own_units, then the root.
+    reshard_after_forward is left at its default: True for the blocks in both."""
     torch.manual_seed(seed)
     with torch.device("meta" if meta else "cpu"):
         model = Net(**net_kw)
@@ -133,10 +138,11 @@ def build(impl, mesh, seed=0, meta=False, grouped=False, frozen=(), bf16=False, 
         before_sharding(model)
     pair = [model.blocks[2], model.blocks[1]] if grouped == "reversed" else [model.blocks[1], model.blocks[2]]
     units = [model.blocks[0], pair] if grouped else list(model.blocks)
-    for unit in units + [model]:
+    for unit in units + [model.get_submodule(name) for name in own_units] + [model]:
         mp = BF16[impl](param_dtype=torch.bfloat16, reduce_dtype=torch.float32, output_dtype=output_dtype) \
             if bf16 and impl != "plain" else None
-        SHARD[impl](unit, mesh=mesh, **({"mp_policy": mp} if mp else {}))
+        SHARD[impl](unit, mesh=mesh, **({"mp_policy": mp} if mp else {}),
+                    **({"offload_policy": OFFLOAD[impl](pin_memory=False)} if offload and impl != "plain" else {}))
     return model
 
 
@@ -563,6 +569,37 @@ def forward_pre_hook_registered_before_fully_shard(impl, mesh):
     return train(build(impl, mesh, before_sharding=penalize))
 
 
+def meta_init_with_a_unit_empty_on_a_rank(impl, mesh):
+    """`out` (a 1-row weight, a 1-element bias) as a unit of its own, on the meta device: at 2 ranks
+    rank 1 holds none of it. to_empty(), a load of another model's values, then training."""
+    donor = build(impl, mesh, seed=1, own_units=("out",))
+    state = {k: v.detach().clone() for k, v in donor.state_dict().items()}
+    model = build(impl, mesh, meta=True, own_units=("out",))
+    model.to_empty(device="cpu")
+    model.load_state_dict(state)
+    return train(model)
+
+
+def optimizer_in_backward_on_sharded_params(impl, mesh):
+    """Each parameter stepped by an optimizer of its own from its post-accumulate-grad hook, as soon
+    as its (sharded) gradient is complete: PyTorch's optimizer-in-backward pattern under FSDP."""
+    model = build(impl, mesh)
+    initial = full_params(model)
+    optimizers = {p: torch.optim.AdamW([p], lr=LR, foreach=False) for p in model.parameters()}
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(lambda p: optimizer_step(optimizers[p]))
+    for s in range(STEPS):
+        plain_step(model, s)
+    final = full_params(model)
+    grads = {n: None if p.grad is None else full(p.grad) for n, p in model.named_parameters()}  # (zeroed)
+    return grads, final, all(not torch.equal(initial[n], final[n]) for n in final)
+
+
+def cpu_offload_policy_on_a_cpu_mesh(impl, mesh):
+    """CPUOffloadPolicy on a CPU mesh: the shards already live in CPU memory, so training is as without it."""
+    return train(build(impl, mesh, offload=True))
+
+
 FLOWS = [retain_graph, autograd_grad_then_backward, partial_no_grad_forward_before_step,
          partial_no_grad_forward_before_step_explicit_prefetch, reentrant_checkpoint, requires_grad_toggle,
          load_state_dict_assign, load_state_dict_assign_meta, grouped_unit_last_module_skipped,
@@ -577,7 +614,8 @@ FLOWS = [retain_graph, autograd_grad_then_backward, partial_no_grad_forward_befo
          reused_layer_whole_block_checkpointed_two_forwards, unit_called_twice_per_forward,
          requires_grad_changed_while_gathered, load_state_dict_assign_into_a_submodule,
          load_state_dict_assign_into_a_submodule_after_a_step, parameter_assigned_before_the_first_forward,
-         own_messages_inside_a_forward]
+         own_messages_inside_a_forward, meta_init_with_a_unit_empty_on_a_rank,
+         optimizer_in_backward_on_sharded_params, cpu_offload_policy_on_a_cpu_mesh]
 REFERENCE = {flow: "fsdp2" for flow in FLOWS} | {
     partial_no_grad_forward_before_step_explicit_prefetch: "plain", reset_after_exception_in_backward: "plain",
     reentrant_checkpoint_two_forwards: "plain", inference_mode_first_forward: "plain",
@@ -753,6 +791,30 @@ def deepcopy_of_a_sharded_model(impl, mesh):
     return raised_then_trains(model, lambda: copy.deepcopy(model))
 
 
+def what_is_refused(impl, mesh):
+    """What fully_shard raises for what FSDP2 refuses: a container with no forward of its own, a 3-D mesh."""
+    def raised(attempt):
+        try:
+            attempt()
+            return None
+        except Exception as e:
+            return {"type": type(e).__name__, "lines": len(str(e).splitlines())}
+    mesh_3d = init_device_mesh("cpu", (1, 1, dist.get_world_size()))
+    return {"module_list": raised(lambda: SHARD[impl](nn.ModuleList([nn.Linear(2, 2)]), mesh=mesh)),
+            "module_dict": raised(lambda: SHARD[impl](nn.ModuleDict({"a": nn.Linear(2, 2)}), mesh=mesh)),
+            "mesh_3d": raised(lambda: SHARD[impl](nn.Linear(2, 2), mesh=mesh_3d))}
+
+
+def slice_of_a_sharded_sequential(impl, mesh):
+    """model[:2] of a sharded nn.Sequential: a plain Sequential of the same layers, not an FSDP module
+    without FSDP state."""
+    model = nn.Sequential(nn.Linear(D, D), nn.Linear(D, D), nn.Linear(D, 1))
+    SHARD[impl](model, mesh=mesh)
+    head = model[:2]
+    return {"class": type(head).__name__, "fsdp": isinstance(head, (FSDP2Module, OurModule)),
+            "same_layers": list(head) == list(model)[:2]}
+
+
 def raised_then_trains(model, attempt, recover=lambda: None):
     """What attempt() raised, and whether, after recover(), the model trains a step."""
     try:
@@ -833,7 +895,8 @@ def main():
     result = {flow.__name__: compare(flow, mesh) for flow in FLOWS}
     for check in (grouped_unit_output_dtypes, memory_report_of_uneven_shards, freed_after_del, fully_shard_twice,
                   list_argument_and_dropped_forward, inplace_on_a_view_output, late_unshard_handle_wait, deepcopy_of_a_sharded_model,
-                  submodule_state_dict_while_gathered, meta_model_first_forward, graphs_of_compiled_blocks):
+                  submodule_state_dict_while_gathered, meta_model_first_forward, graphs_of_compiled_blocks,
+                  what_is_refused, slice_of_a_sharded_sequential):
         result[check.__name__] = {impl: check(impl, mesh) for impl in ("fsdp2", "ours")}
     # The last flow can kill the process (fsdp_impl segfaulted there). The other flows' results are
     # written first, then again with this flow's record: after a crash the report lacks it (and the

@@ -313,11 +313,22 @@ def test_comm_hsdp(results, tag):
             assert ph["backward_bytes"]["all_reduce"] == (4 * sum(rec["shard_numel"].values()) if last else 0)
 
 
+def test_hsdp_all_reduce_runs_beside_the_backward_still_to_come(results):
+    """HSDP: each unit's all-reduce across replicas is issued once its reduce-scatter is done and
+    waited at the end of backward, while the backward of the units after it runs (it was issued and
+    waited at once, stalling compute). The parity modes above show the numbers are the same bits."""
+    for step in _comm(results, 4, "hsdp")["steps"]:
+        ev = [tuple(e) for e in step["events"]]
+        in_flight = ev[ev.index(("all_reduce", B1)):ev.index(("all_reduce_wait", B1))]
+        assert ("reduce_scatter", B0) in in_flight and ("backward_end", R) in in_flight, ev  # the root's backward
+        assert ev[-U:] == [("all_reduce_wait", u) for u in (B1, B0, R)], ev  # the end of backward
+
+
 # ---- schedule -------------------------------------------------------------------------------
 def _check_state_machine(events):
     """Invariants every event log must satisfy (all units start a step sharded)."""
     state = {}
-    rs_in_flight = []
+    rs_in_flight, reduced, ar_in_flight = [], set(), set()
     grads_ready = set()
     for i, (e, u) in enumerate(events):
         s = state.get(u, "sharded")
@@ -343,9 +354,17 @@ def _check_state_machine(events):
         elif e == "reduce_scatter_wait":
             assert rs_in_flight == [u], where
             rs_in_flight.clear()
+            reduced.add(u)
+        elif e == "all_reduce":  # HSDP: after the unit's reduce-scatter
+            assert u in reduced and u not in ar_in_flight, where
+            reduced.discard(u)
+            ar_in_flight.add(u)
+        elif e == "all_reduce_wait":
+            assert u in ar_in_flight, where
+            ar_in_flight.discard(u)
         elif e != "forward_end":
             raise AssertionError(f"unknown event {e}")
-    assert not rs_in_flight
+    assert not rs_in_flight and not ar_in_flight
     assert all(s != "gathering" for s in state.values())
 
 
@@ -596,6 +615,31 @@ def test_a_refused_first_forward_can_be_retried_and_a_grouped_root_is_refused():
     assert lines[:2] == ["meta refused True", "then trains True True"], lines
     assert lines[2].startswith("grouped root refused"), lines  # FSDP2, the reference behaviour
     assert lines[3].startswith("grouped root refused fully_shard: the root unit holds 2"), lines
+
+
+DEFAULT_MESH_PER_PROCESS_GROUP = """
+import torch, torch.nn as nn, torch.distributed as dist
+from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
+from fsdp_impl import OffloadPolicy, fully_shard
+for name, shard in (("fsdp2", fsdp2_fully_shard), ("ours", fully_shard)):
+    for attempt in range(2):  # a process group, destroyed, then another (a test re-initialising, say)
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        model = shard(nn.Linear(4, 4))
+        mesh = model.weight.device_mesh
+        print(name, attempt, mesh.device_type, mesh.get_group() is dist.distributed_c10d._get_default_group())
+        dist.destroy_process_group()
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+print("base policy offloads", fully_shard(nn.Linear(2, 2), offload_policy=OffloadPolicy())._fsdp_unit.offload)
+"""
+
+
+def test_the_default_mesh_is_fsdp2s_and_belongs_to_the_current_process_group():
+    """Without a mesh, fully_shard takes FSDP2's: over the default process group, on the accelerator if
+    there is one (here the CPU), made anew for a new process group (a module-wide one went stale)."""
+    lines = _last_lines(DEFAULT_MESH_PER_PROCESS_GROUP, 5)
+    assert lines[:2] == ["fsdp2 0 cpu True", "fsdp2 1 cpu True"], lines  # the reference behaviour
+    assert lines[2:4] == ["ours 0 cpu True", "ours 1 cpu True"], lines
+    assert lines[4] == "base policy offloads False", lines
 
 
 @pytest.mark.parametrize("value, expected", [(True, True), (False, False), (None, None), (4, True), (1, False)])
