@@ -136,13 +136,22 @@ def _lazy_init(root_module):
             units.setdefault(m._fsdp_unit, path or "root")
     schedule = Schedule(list(units), root)
     try:
-        for unit, path in units.items():
-            unit.name = path
-            unit.lazy_init(schedule, is_root=unit is root)
+        with _outside_func_transforms():
+            for unit, path in units.items():
+                unit.name = path
+                unit.lazy_init(schedule, is_root=unit is root)
     except Exception:  # (parameters still on meta): once that is mended, the next forward starts afresh
         for unit in units:
             unit.schedule = None
         raise
+
+
+
+def _outside_func_transforms():
+    """A forward may run inside a torch.func transform (jvp, say), which wraps the tensors it
+    captures: the units' own bookkeeping (set-up, gathers into the parameters' storage, frees)
+    runs outside it, on the tensors themselves, as FSDP2's does."""
+    return torch._C._DisableFuncTorch()
 
 
 def _map_tensors(fn, tree):
@@ -173,7 +182,8 @@ def _pre_forward(module, args, kwargs):
         _lazy_init(module)
     if unit is unit.schedule.root and unit.compute_device.type == "cuda":  # (as FSDP2's root, and DDP)
         args, kwargs = _to_device(args, unit.compute_device), _to_device(kwargs, unit.compute_device)
-    needs_gate = unit.pre_forward()
+    with _outside_func_transforms():
+        needs_gate = unit.pre_forward()
     if unit.mp.param_dtype is not None and unit.mp.cast_forward_inputs:
         args, kwargs = _cast(args, unit.mp.param_dtype), _cast(kwargs, unit.mp.param_dtype) if kwargs else kwargs
     if needs_gate and torch.is_grad_enabled():
@@ -233,8 +243,9 @@ def _post_forward(module, args, output):
     if unit is unit.schedule.root:  # ...or, if one of them did not run (a skipped layer), with the root
         ending += [u for u in unit.schedule.units if u is not unit and u.training_state == "forward"]
     grad_enabled = torch.is_grad_enabled()
-    for u in ending:
-        u.post_forward(grad_enabled)
+    with _outside_func_transforms():
+        for u in ending:
+            u.post_forward(grad_enabled)
     if grad_enabled:
         _map_tensors(lambda t: _register_pre_backward(t, ending), output)
     return output

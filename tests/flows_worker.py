@@ -815,6 +815,15 @@ def slice_of_a_sharded_sequential(impl, mesh):
             "same_layers": list(head) == list(model)[:2]}
 
 
+def jvp_through_a_sharded_model(impl, mesh):
+    """torch.func.jvp of the sharded model (a forward-mode derivative, as in some second-order
+    methods): its output and tangent, then whether a training step still runs."""
+    model = build(impl, mesh)
+    out, tangent = torch.func.jvp(model, (data(0),), (data(0, 1),))
+    rec = {"out": out.tolist(), "tangent": tangent.tolist()}
+    return rec | raised_then_trains(model, lambda: None)
+
+
 def raised_then_trains(model, attempt, recover=lambda: None):
     """What attempt() raised, and whether, after recover(), the model trains a step."""
     try:
@@ -896,7 +905,7 @@ def main():
     for check in (grouped_unit_output_dtypes, memory_report_of_uneven_shards, freed_after_del, fully_shard_twice,
                   list_argument_and_dropped_forward, inplace_on_a_view_output, late_unshard_handle_wait, deepcopy_of_a_sharded_model,
                   submodule_state_dict_while_gathered, meta_model_first_forward, graphs_of_compiled_blocks,
-                  what_is_refused, slice_of_a_sharded_sequential):
+                  what_is_refused, slice_of_a_sharded_sequential, jvp_through_a_sharded_model):
         result[check.__name__] = {impl: check(impl, mesh) for impl in ("fsdp2", "ours")}
     # The last flow can kill the process (fsdp_impl segfaulted there). The other flows' results are
     # written first, then again with this flow's record: after a crash the report lacks it (and the
