@@ -183,7 +183,7 @@ def _pre_forward(module, args, kwargs):
     if unit is unit.schedule.root and unit.compute_device.type == "cuda":  # (as FSDP2's root, and DDP)
         args, kwargs = _to_device(args, unit.compute_device), _to_device(kwargs, unit.compute_device)
     with _outside_func_transforms():
-        needs_gate = unit.pre_forward()
+        needs_gate = unit.pre_forward(torch.is_grad_enabled())
     if unit.mp.param_dtype is not None and unit.mp.cast_forward_inputs:
         args, kwargs = _cast(args, unit.mp.param_dtype), _cast(kwargs, unit.mp.param_dtype) if kwargs else kwargs
     if needs_gate and torch.is_grad_enabled():

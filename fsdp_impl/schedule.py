@@ -108,7 +108,7 @@ class Schedule:
 
     def end_of_backward(self):
         for unit in self.units:
-            unit.post_backward()  # no-op for units whose gate ran it already
+            unit.post_backward(end_of_backward=True)  # no-op for units whose gate ran it already
         self.finish_reductions()
         self.release_read()
         while self.pending_all_reduces:

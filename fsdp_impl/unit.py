@@ -380,7 +380,7 @@ class ShardedUnit:
                 ps.unsharded.grad = None
 
     # ---- hooks' bodies (called from api.py) ----------------------------------------------
-    def pre_forward(self):
+    def pre_forward(self, grad_enabled):
         """Gather for forward. True if this forward will need its own post-backward (api.py then
         gates its inputs): the unit's first module starts, or a recomputation runs after the
         unit's post-backward (reentrant checkpointing, several forwards before one backward)."""
@@ -395,6 +395,9 @@ class ShardedUnit:
             return False
         self.training_state = "forward"
         self.modules_to_run = set(self.modules)
+        # with grad, its backward brings grads even if some of its modules never run and so its
+        # post-forward never comes (a grouped unit's head called alone by a chunked loss)
+        self.needs_post_backward = self.needs_post_backward or grad_enabled
         self._sync_requires_grad()
         self.schedule.record_pre_forward(self)
         self.wait_unshard()
@@ -452,11 +455,15 @@ class ShardedUnit:
         comm.end_range(self._phase_range)
         self._phase_range = None
 
-    def post_backward(self):
+    def post_backward(self, end_of_backward=False):
         """A forward's backward is over (its inputs' grads are computed: api.py's gate), or the whole
         backward is (the end-of-backward callback, which calls every unit): reduce-scatter the grads
-        (or keep accumulating them), then reshard. (The check outside the no_grad below: for most
-        units the callback's call finds nothing to do.)"""
+        (or keep accumulating them), then reshard. A forward that never ended (not every module of
+        the unit ran, and the root's forward did not end it) may still bring grads from its other
+        calls: the end of backward reduces them, as FSDP2's. (The checks outside the no_grad below:
+        for most units the callback's call finds nothing to do.)"""
+        if self.training_state == "forward" and not end_of_backward:
+            return
         if self.needs_post_backward or (self.requires_grad_sync and self.holds_unreduced_grads):
             self._reduce_grads()
 

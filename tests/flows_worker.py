@@ -100,6 +100,7 @@ class Net(nn.Module):
         self.out = nn.Linear(D, 1)
         self.dataclass_input, self.reentrant, self.skip, self.mute = dataclass_input, reentrant, (), ()
         self.twice = ()  # indices of blocks applied twice in a row (a unit called twice per forward)
+        self.head_outside = False  # forward returns the hidden state: the loss calls `out` itself
 
     def forward(self, x):
         x = self.inp(x)  # x requires grad from here on, as reentrant checkpointing needs
@@ -112,6 +113,8 @@ class Net(nn.Module):
             if i in self.twice:
                 y = block(y)
             x = x + 0 * (y - x) if i in self.mute else y
+        if self.head_outside:
+            return x
         return self.out(x.to(self.out.weight.dtype)).sum()  # (a no-op but under a block's output_dtype)
 
     def reset_iter_state(self):
@@ -138,6 +141,8 @@ def build(impl, mesh, seed=0, meta=False, grouped=False, frozen=(), bf16=False, 
         before_sharding(model)
     pair = [model.blocks[2], model.blocks[1]] if grouped == "reversed" else [model.blocks[1], model.blocks[2]]
     units = [model.blocks[0], pair] if grouped else list(model.blocks)
+    if grouped == "with_out":  # the last block and the output layer as one unit
+        units = [model.blocks[0], model.blocks[1], [model.blocks[2], model.out]]
     for unit in units + [model.get_submodule(name) for name in own_units] + [model]:
         mp = BF16[impl](param_dtype=torch.bfloat16, reduce_dtype=torch.float32, output_dtype=output_dtype) \
             if bf16 and impl != "plain" else None
@@ -569,6 +574,42 @@ def forward_pre_hook_registered_before_fully_shard(impl, mesh):
     return train(build(impl, mesh, before_sharding=penalize))
 
 
+def chunked_loss_calls_a_grouped_units_head_alone(impl, mesh):
+    """fully_shard([blocks.2, out]): the forward stops before `out`, and the loss calls `out` alone on
+    each of two chunks of the hidden state (a chunked loss), so the unit's modules run separately."""
+    model = build(impl, mesh, grouped="with_out")
+    model.head_outside = True
+
+    def fwd_bwd(model, s):
+        hidden = model(data(s))
+        sum(model.out(chunk.to(model.out.weight.dtype)).sum() for chunk in hidden.chunk(2)).backward()
+    return train(model, fwd_bwd)
+
+
+def chunked_loss_with_the_units_other_module_skipped(impl, mesh):
+    """As chunked_loss_calls_a_grouped_units_head_alone, with blocks.2 left out of the forward (layer
+    drop): the unit's only module to run is `out`, called alone after the model's forward. (blocks.2
+    is frozen: it never trains here, and the comparison asks every trainable parameter to move.)"""
+    model = build(impl, mesh, grouped="with_out", frozen=[f"blocks.2.{n}" for n in ("a.weight", "a.bias",
+                                                                                    "b.weight", "b.bias")])
+    model.head_outside, model.skip = True, (2,)
+
+    def fwd_bwd(model, s):
+        hidden = model(data(s))
+        sum(model.out(chunk).sum() for chunk in hidden.chunk(2)).backward()
+    return train(model, fwd_bwd)
+
+
+def grouped_units_member_run_alone_first(impl, mesh):
+    """fully_shard([blocks.2, out]): each step first runs `out` alone on the input (a probe that
+    trains too), then the whole model."""
+    model = build(impl, mesh, grouped="with_out")
+
+    def fwd_bwd(model, s):
+        (model(data(s)) + model.out(data(s, 1)).sum()).backward()
+    return train(model, fwd_bwd)
+
+
 def meta_init_with_a_unit_empty_on_a_rank(impl, mesh):
     """`out` (a 1-row weight, a 1-element bias) as a unit of its own, on the meta device: at 2 ranks
     rank 1 holds none of it. to_empty(), a load of another model's values, then training."""
@@ -615,7 +656,9 @@ FLOWS = [retain_graph, autograd_grad_then_backward, partial_no_grad_forward_befo
          requires_grad_changed_while_gathered, load_state_dict_assign_into_a_submodule,
          load_state_dict_assign_into_a_submodule_after_a_step, parameter_assigned_before_the_first_forward,
          own_messages_inside_a_forward, meta_init_with_a_unit_empty_on_a_rank,
-         optimizer_in_backward_on_sharded_params, cpu_offload_policy_on_a_cpu_mesh]
+         optimizer_in_backward_on_sharded_params, cpu_offload_policy_on_a_cpu_mesh,
+         chunked_loss_calls_a_grouped_units_head_alone, chunked_loss_with_the_units_other_module_skipped,
+         grouped_units_member_run_alone_first]
 REFERENCE = {flow: "fsdp2" for flow in FLOWS} | {
     partial_no_grad_forward_before_step_explicit_prefetch: "plain", reset_after_exception_in_backward: "plain",
     reentrant_checkpoint_two_forwards: "plain", inference_mode_first_forward: "plain",

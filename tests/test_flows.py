@@ -36,7 +36,8 @@ as under FSDP2 (the hooks stay out of them). What FSDP2 refuses at fully_shard t
 without a forward, a 3-D mesh) is refused with its exception types, and a slice of a sharded
 nn.Sequential is a plain Sequential. Code written for FSDP2 that trained wrongly or crashed later
 here: a meta-device unit of which a rank holds nothing, an optimizer stepped from the sharded
-parameters' post-accumulate-grad hooks, CPUOffloadPolicy on a CPU mesh.
+parameters' post-accumulate-grad hooks, CPUOffloadPolicy on a CPU mesh, a grouped unit whose
+head a chunked loss calls alone, its other module skipped.
 
 The reference is FSDP2, except in the flows where FSDP2 (torch 2.13) computes something else than
 plain PyTorch: with explicit forward-prefetch lists it uses the probe's all-gather from before the
@@ -80,7 +81,8 @@ FLOWS = ["retain_graph", "autograd_grad_then_backward", "partial_no_grad_forward
          "hsdp_reset_after_exception_with_kept_sums",
          # code written for FSDP2 that trained wrongly, or crashed later, on fsdp_impl
          "meta_init_with_a_unit_empty_on_a_rank", "optimizer_in_backward_on_sharded_params",
-         "cpu_offload_policy_on_a_cpu_mesh"]
+         "cpu_offload_policy_on_a_cpu_mesh", "chunked_loss_calls_a_grouped_units_head_alone",
+         "chunked_loss_with_the_units_other_module_skipped", "grouped_units_member_run_alone_first"]
 
 
 @pytest.fixture(scope="module")
