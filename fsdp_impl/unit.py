@@ -151,12 +151,19 @@ class ShardedUnit:
                     yield from post_order(child, seen)
             yield module
 
+        nested = {param for module in self.modules for sub in module.modules() if hasattr(sub, "_fsdp_unit")
+                  for ps in sub._fsdp_unit.params for param in (ps.sharded, ps.unsharded)}
         found, seen = {}, set()
         for module in self.modules:
             for sub in post_order(module, seen):
                 for name, p in sub._parameters.items():
-                    if p is not None and not isinstance(p, DTensor):  # DTensor: a nested unit's
-                        found.setdefault(p, []).append((sub, name))
+                    if p is None or p in nested:
+                        continue
+                    if isinstance(p, DTensor):  # (skipped, it would train unsharded and unreduced)
+                        raise NotImplementedError(
+                            f"fully_shard({self.name}): {name} is already a DTensor (tensor parallel, say); fsdp_impl "
+                            "does not yet shard DTensor parameters over another mesh dim: use torch's fully_shard")
+                    found.setdefault(p, []).append((sub, name))
         if any(hasattr(p, "_fsdp_sharded") for p in found):  # marked below by a nested unit
             raise ValueError(f"a parameter of {self.name} is tied to one inside a nested "
                              "fully_shard unit: keep tied modules in the same unit")

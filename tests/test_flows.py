@@ -243,3 +243,12 @@ def test_jvp_through_a_sharded_model_computes_fsdp2s_numbers(report):
     r = report["jvp_through_a_sharded_model"]
     assert r["fsdp2"]["trains_after"], r["fsdp2"]  # the reference behaviour
     assert r["ours"] == r["fsdp2"], r
+
+
+def test_tensor_parallel_parameters_are_refused_not_left_unsharded(report):
+    """FSDP over TP is FSDP2's and not yet ours: fsdp_impl refuses DTensor parameters in one line at
+    fully_shard time, where it skipped them, leaving them unsharded and unreduced over dp."""
+    r = report["tensor_parallel_then_fully_shard"]
+    assert r["fsdp2"] == {"trained": True}, r  # the reference behaviour
+    assert r["ours"]["raised"] == "NotImplementedError" and r["ours"]["lines"] == 1, r["ours"]
+    assert "tensor parallel" in r["ours"]["message"], r["ours"]
