@@ -28,6 +28,7 @@ flight) -> UNSHARDED -> SHARDED. Where the unit is in a step (`training_state`):
 post-backward) -> idle.
 """
 import math
+from typing import NamedTuple
 
 import torch
 import torch.nn as nn
@@ -38,6 +39,23 @@ from . import comm
 from .comm import ledger, profiled
 
 SHARDED, GATHERING, UNSHARDED = "sharded", "gathering", "unsharded"
+
+
+class Gather(NamedTuple):
+    """An all-gather in flight; its input is held until the wait, since the collective reads it."""
+    work: object
+    output: torch.Tensor
+    input: torch.Tensor
+    copied_in: object  # offload: the copy-in stream's event after the shard's copy, else None
+
+
+class Reduction(NamedTuple):
+    """A reduce-scatter or an all-reduce in flight over `params` (flat `output`, in their order);
+    the input is held until the wait. Reduced sums kept for later have no work."""
+    work: object
+    input: torch.Tensor
+    output: torch.Tensor
+    params: list
 
 
 def reshard_after_forward_flag(value, world):
@@ -127,12 +145,11 @@ class ShardedUnit:
         self.modules_to_run = set()  # of a forward under way: a grouped unit's ends once all of them ran
         self.needs_post_backward = False  # a forward with grad ran: its backward will bring grads
         self.holds_unreduced_grads = False  # accumulated with gradient sync off, not yet reduce-scattered
-        # (work, output, input: kept alive while the collective reads it, copy-in event or None) while GATHERING
-        self._gather = None
+        self._gather = None  # Gather, while GATHERING
         self._copied_out = None  # offload: event of the grads' copy to CPU memory, while in flight
-        self._reduction = None  # (work, input, output, params) while a reduce-scatter is in flight
-        self._partial_reduction = None  # HSDP with all-reduce off: reduce-scattered, not yet averaged
-        self._all_reduce = None  # HSDP: (work, output, params) while the all-reduce across replicas is in flight
+        self._reduction = None  # Reduction, while a reduce-scatter is in flight
+        self._partial_reduction = None  # Reduction: HSDP with all-reduce off, reduce-scattered, not yet averaged
+        self._all_reduce = None  # Reduction: HSDP, while the all-reduce across replicas is in flight
         self._phase_range = None  # profiler range of this unit's forward or backward, while open
         self._shard()
         self._move_buffers()
@@ -316,7 +333,7 @@ class ShardedUnit:
             # copy-out below is guarded the same way)
             with torch.autograd._unsafe_preserve_version_counter(self.flat_full):
                 work = comm.all_gather(output, shard, self.shard_group)
-            self._gather = (work, output, shard, copy_in.record_event() if copy_in is not None else None)
+            self._gather = Gather(work, output, shard, copy_in.record_event() if copy_in is not None else None)
         self.state = GATHERING
 
     def wait_unshard(self):
@@ -372,7 +389,7 @@ class ShardedUnit:
         flight complete (the peers posted them too) and their gradients are dropped."""
         for pending in (self._reduction, self._all_reduce):
             if pending is not None:
-                pending[0].wait()
+                pending.work.wait()
         self._reduction = self._all_reduce = None
         self.wait_copy_out()
         self.reshard()
@@ -528,7 +545,7 @@ class ShardedUnit:
             # allocated before, it was one shard more at the peak, beside the unsharded grads
             rs_output = rs_input.new_empty(numel) if self.world > 1 else rs_input
             work = comm.reduce_scatter(rs_output, rs_input, self.shard_group)
-            self._reduction = (work, rs_input, rs_output, params)
+            self._reduction = Reduction(work, rs_input, rs_output, params)
             if self.world == 1 and self.replicate_group is None:
                 # nothing to reduce, here or across replicas, so nothing to wait for: the sharded grads
                 # now (offloaded, the copy to the CPU queued right behind the cast), not a unit later
@@ -540,7 +557,7 @@ class ShardedUnit:
     def _add_partial_reduction(self, output, params):
         """This micro-step's replica-local sums plus those kept from micro-steps without all-reduce,
         which may cover other parameters (a layer skipped in one of them) -> (sums, parameters)."""
-        kept, kept_params = self._partial_reduction
+        kept, kept_params = self._partial_reduction.output, self._partial_reduction.params
         self._partial_reduction = None
         if kept_params == params:
             return output.add_(kept), params
@@ -562,7 +579,7 @@ class ShardedUnit:
         Under HSDP, issue the all-reduce across replicas instead: the end of backward waits for it
         (finish_all_reduce), so it runs beside the backward of the units still to come."""
         self.finish_all_reduce()  # (a unit reduced twice in one backward: the first one's grads first)
-        work, rs_input, output, params = self._reduction
+        work, _, output, params = self._reduction
         self._reduction = None
         with profiled(f"fsdp::reduce_scatter_wait {self.name}"):
             work.wait()
@@ -573,10 +590,10 @@ class ShardedUnit:
             if self._partial_reduction is not None:
                 output, params = self._add_partial_reduction(output, params)
             if not self.requires_all_reduce:  # keep the replica-local sums for later
-                self._partial_reduction = (output, params)
+                self._partial_reduction = Reduction(None, None, output, params)
                 return
             ledger.log("all_reduce", self.name)
-            self._all_reduce = (comm.all_reduce_mean(output, self.replicate_group), output, params)
+            self._all_reduce = Reduction(comm.all_reduce_mean(output, self.replicate_group), output, output, params)
             self.schedule.pending_all_reduces.append(self)
 
     @torch.no_grad()
@@ -584,7 +601,7 @@ class ShardedUnit:
         """HSDP: wait for this unit's all-reduce across replicas; its averages become the sharded grads."""
         if self._all_reduce is None:
             return
-        work, output, params = self._all_reduce
+        work, _, output, params = self._all_reduce
         self._all_reduce = None
         with profiled(f"fsdp::all_reduce_wait {self.name}"):
             work.wait()
@@ -624,7 +641,7 @@ class ShardedUnit:
         """HSDP, end of backward: sums kept with the all-reduce off, when the micro-step with it on
         did not run this unit (so no reduce-scatter brought them along)."""
         if self._partial_reduction is not None and self.requires_all_reduce:
-            output, params = self._partial_reduction
+            _, _, output, params = self._partial_reduction
             self._partial_reduction = None
             comm.all_reduce_mean(output, self.replicate_group).wait()
             self._accumulate_grads(output, params)
