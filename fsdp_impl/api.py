@@ -19,7 +19,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.utils import _apply_to_tensors
 
 from .schedule import Schedule
-from .unit import GATHERING, ShardedUnit, reshard_after_forward_flag
+from .unit import FORWARD, GATHERING, ShardedUnit, reshard_after_forward_flag
 
 
 @dataclass(frozen=True)
@@ -241,7 +241,7 @@ def _post_forward(module, args, output):
         return output  # a grouped unit ends once each of its modules ran...
     ending = [unit]
     if unit is unit.schedule.root:  # ...or, if one of them did not run (a skipped layer), with the root
-        ending += [u for u in unit.schedule.units if u is not unit and u.training_state == "forward"]
+        ending += [u for u in unit.schedule.units if u is not unit and u.training_state == FORWARD]
     grad_enabled = torch.is_grad_enabled()
     with _outside_func_transforms():
         for u in ending:

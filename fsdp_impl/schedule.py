@@ -25,7 +25,7 @@ import torch
 from torch.autograd import Variable
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from .unit import GATHERING
+from .unit import GATHERING, IDLE
 
 
 _schedules = weakref.WeakSet()  # every live schedule, for the optimizer-step hook
@@ -35,7 +35,7 @@ _step_hook = None
 def _reshard_before_optimizer_step(optimizer, args, kwargs):
     for schedule in _schedules:
         for unit in schedule.units:
-            if unit.training_state != "idle":
+            if unit.training_state != IDLE:
                 continue  # mid-forward or mid-backward (an optimizer stepped in backward): still in use
             unit.reshard()  # nothing to do for a unit already sharded (the usual case)
 
@@ -116,7 +116,7 @@ class Schedule:
         for unit in self.units:
             unit.all_reduce_kept_sums()
             unit.wait_copy_out()  # the optimizer reads offloaded grads on the CPU, next
-            unit.training_state = "idle"
+            unit.training_state = IDLE
             if unit.state == GATHERING:  # a prefetch nothing used (reentrant checkpointing's recompute)
                 unit.reshard()
         self.end_of_backward_queued = False

@@ -23,9 +23,10 @@ The layout and the collectives are exactly FSDP2's, so with the same arithmetic 
 the same bits.
 
 Two state machines. Where the parameters are (`state`): SHARDED -> GATHERING (all-gather in
-flight) -> UNSHARDED -> SHARDED. Where the unit is in a step (`training_state`): idle -> forward
-(pre-forward to post-forward) -> idle -> pre_backward (its outputs' first grad to its
-post-backward) -> idle.
+flight) -> UNSHARDED -> SHARDED. Where the unit is in a step (`training_state`): IDLE -> FORWARD
+(pre-forward to post-forward) -> IDLE -> PRE_BACKWARD (its outputs' first grad to its
+post-backward) -> IDLE. A forward not all of whose modules ran stays FORWARD until the end of
+backward. Both are module constants, compared by name.
 """
 import math
 from typing import NamedTuple
@@ -38,7 +39,8 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from . import comm
 from .comm import ledger, profiled
 
-SHARDED, GATHERING, UNSHARDED = "sharded", "gathering", "unsharded"
+SHARDED, GATHERING, UNSHARDED = "sharded", "gathering", "unsharded"  # where the parameters are: `state`
+IDLE, FORWARD, PRE_BACKWARD = "idle", "forward", "pre_backward"  # where the unit is in a step: `training_state`
 
 
 class Gather(NamedTuple):
@@ -141,7 +143,7 @@ class ShardedUnit:
         # per-step state
         self.state = SHARDED
         self.schedule = None
-        self.training_state = "idle"  # idle | forward | pre_backward
+        self.training_state = IDLE
         self.modules_to_run = set()  # of a forward under way: a grouped unit's ends once all of them ran
         self.needs_post_backward = False  # a forward with grad ran: its backward will bring grads
         self.holds_unreduced_grads = False  # accumulated with gradient sync off, not yet reduce-scattered
@@ -394,7 +396,7 @@ class ShardedUnit:
         self.wait_copy_out()
         self.reshard()
         self._end_phase_range()
-        self.training_state = "idle"
+        self.training_state = IDLE
         self.needs_post_backward = False
         self.holds_unreduced_grads = False
         self._partial_reduction = None
@@ -408,16 +410,16 @@ class ShardedUnit:
         """Gather for forward. True if this forward will need its own post-backward (api.py then
         gates its inputs): the unit's first module starts, or a recomputation runs after the
         unit's post-backward (reentrant checkpointing, several forwards before one backward)."""
-        if self.training_state == "pre_backward" and not self.needs_post_backward:
+        if self.training_state == PRE_BACKWARD and not self.needs_post_backward:
             self.wait_unshard()
             self.needs_post_backward = True
             self.modules_to_run = set(self.modules)
             return True
-        if self.training_state != "idle":
-            # "forward": a later module of a grouped unit; "pre_backward": activation
+        if self.training_state != IDLE:
+            # FORWARD: a later module of a grouped unit; PRE_BACKWARD: activation
             # checkpointing recomputes inside backward. Either way the unit is already gathered.
             return False
-        self.training_state = "forward"
+        self.training_state = FORWARD
         self.modules_to_run = set(self.modules)
         # with grad, its backward brings grads even if some of its modules never run and so its
         # post-forward never comes (a grouped unit's head called alone by a chunked loss)
@@ -451,22 +453,22 @@ class ShardedUnit:
             ps.unsharded.requires_grad_(ps.requires_grad)
 
     def post_forward(self, grad_enabled):
-        if self.training_state == "pre_backward":
+        if self.training_state == PRE_BACKWARD:
             return
         ledger.log("forward_end", self.name)
         self._end_phase_range()
         self.schedule.record_post_forward(self)
         if self.reshard_after_forward:
             self.reshard()
-        self.training_state = "idle"
+        self.training_state = IDLE
         if grad_enabled:
             self.needs_post_backward = True
 
     def pre_backward(self):
-        if self.training_state == "pre_backward" and self.needs_post_backward:
+        if self.training_state == PRE_BACKWARD and self.needs_post_backward:
             return  # another output of the same forward
         # (after this unit's post-backward: a unit called twice in forward, and this is the other call's backward)
-        self.training_state = "pre_backward"
+        self.training_state = PRE_BACKWARD
         self.needs_post_backward = True  # also when an earlier backward through this graph took the grads
         self.schedule.queue_end_of_backward()
         self.wait_unshard()
@@ -486,7 +488,7 @@ class ShardedUnit:
         the unit ran, and the root's forward did not end it) may still bring grads from its other
         calls: the end of backward reduces them, as FSDP2's. (The checks outside the no_grad below:
         for most units the callback's call finds nothing to do.)"""
-        if self.training_state == "forward" and not end_of_backward:
+        if self.training_state == FORWARD and not end_of_backward:
             return
         if self.needs_post_backward or (self.requires_grad_sync and self.holds_unreduced_grads):
             self._reduce_grads()
