@@ -18,6 +18,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.utils import _apply_to_tensors
 
+from . import comm
 from .schedule import Schedule
 from .unit import FORWARD, GATHERING, ShardedUnit, reshard_after_forward_flag
 
@@ -42,20 +43,20 @@ class CPUOffloadPolicy(OffloadPolicy):
     pin_memory: bool = True
 
 
-_default_meshes = {}  # the default process group -> the 1-D mesh over it
+_default_mesh = None  # (the default process group, the 1-D mesh over it)
 
 
 def _mesh_for(mesh):
     """`mesh`, or one over the default process group on the accelerator if there is one (as FSDP2's
     default). A process group made anew after a destroy gets a mesh of its own."""
+    global _default_mesh
     if mesh is not None:
         return mesh
     group = dist.distributed_c10d._get_default_group()
-    if group not in _default_meshes:
-        _default_meshes.clear()  # (a mesh over a destroyed group is of no use)
+    if _default_mesh is None or _default_mesh[0] is not group:
         accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
-        _default_meshes[group] = init_device_mesh(accelerator.type if accelerator else "cpu", (group.size(),))
-    return _default_meshes[group]
+        _default_mesh = group, init_device_mesh(accelerator.type if accelerator else "cpu", (group.size(),))
+    return _default_mesh[1]
 
 
 def _offloads(policy):
@@ -146,12 +147,12 @@ def _lazy_init(root_module):
         raise
 
 
-
 def _outside_func_transforms():
     """A forward may run inside a torch.func transform (jvp, say), which wraps the tensors it
     captures: the units' own bookkeeping (set-up, gathers into the parameters' storage, frees)
-    runs outside it, on the tensors themselves, as FSDP2's does."""
-    return torch._C._DisableFuncTorch()
+    runs outside it, on the tensors themselves, as FSDP2's does. (Outside a transform, nothing to
+    switch off: the check costs a tenth of the switch, on every unit's hooks.)"""
+    return torch._C._DisableFuncTorch() if torch._C._are_functorch_transforms_active() else comm.NOTHING
 
 
 def _map_tensors(fn, tree):
@@ -281,8 +282,8 @@ class FSDPModule:
         return module
 
     def __deepcopy__(self, memo):
-        raise AssertionError(f"copy.deepcopy of a fully_shard-ed {type(self).__name__}: each rank holds only its shards "
-                        "(FSDP2 refuses it too); load its state_dict() into a model of its own")
+        raise AssertionError(f"copy.deepcopy of a fully_shard-ed {type(self).__name__}: each rank holds only its "
+                             "shards (FSDP2 refuses it too); load its state_dict() into a model of its own")
 
     def unshard(self, async_op=False):
         unit = self._fsdp_unit

@@ -657,9 +657,7 @@ class ShardedUnit:
         # each grad one as_strided view, where a slice and a view are two ops (each ~2 us of host time, per
         # parameter and step); it reads the storage itself, so the flat output must be contiguous, as every caller's is
         assert output.is_contiguous()
-        hooked = [ps for ps in params if getattr(ps.sharded, "_post_accumulate_grad_hooks", None)]
-        if hooked and self.offload:
-            self.wait_copy_out()  # (the hooks read the grads: an optimizer stepped in backward, say)
+        hooked = []
         offset = output.storage_offset()
         for ps in params:
             local = output.as_strided(ps.local_shape, ps.stride, offset)
@@ -671,6 +669,10 @@ class ShardedUnit:
                 ps.sharded.grad = DTensor.__new__(DTensor, local, ps.sharded._spec, requires_grad=False)
             else:
                 ps.sharded.grad.to_local().add_(local)
+            if ps.sharded._post_accumulate_grad_hooks:
+                hooked.append(ps)
+        if hooked and self.offload:
+            self.wait_copy_out()  # (the hooks read the grads: an optimizer stepped in backward, say)
         for ps in hooked:  # the sharded gradient is ready: as on a plain parameter, its hooks run
             for hook in ps.sharded._post_accumulate_grad_hooks.values():
                 hook(ps.sharded)
