@@ -69,6 +69,8 @@ def _check(modules, mesh):
     """Refuse at once what FSDP2 refuses, with its exception types."""
     if mesh.ndim not in (1, 2):
         raise ValueError(f"fully_shard: a {mesh.ndim}-D mesh; use a 1-D mesh (shard) or a 2-D one (replicate, shard)")
+    if mesh.ndim == 2 and mesh.mesh_dim_names is None:  # (FSDP2 raises AssertionError here too)
+        raise AssertionError("fully_shard: a 2-D mesh without mesh_dim_names; name its dims (replicate, shard)")
     for m in modules:
         if isinstance(m, (nn.ModuleList, nn.ModuleDict)) and type(m).forward is nn.Module.forward:
             raise ValueError(f"fully_shard: {type(m).__name__} has no forward of its own; shard the modules it "

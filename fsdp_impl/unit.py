@@ -33,8 +33,10 @@ from typing import NamedTuple
 
 import torch
 import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from . import comm
 from .comm import ledger, profiled
@@ -84,6 +86,10 @@ def same_storage(a, b):
     return a.untyped_storage()._cdata == b.untyped_storage()._cdata
 
 
+def contiguous_stride(shape):
+    return tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
+
+
 def dtensor_around(local, mesh, placements, shape, stride):
     """A DTensor whose local tensor is `local` itself, wherever it lives. (DTensor.from_local moves
     a tensor to the mesh's device type: an offloaded shard in CPU memory would become a GPU copy,
@@ -93,12 +99,18 @@ def dtensor_around(local, mesh, placements, shape, stride):
 
 
 class ParamShard:
-    """One managed parameter: where it is registered and where it lives in the flat buffers."""
+    """One managed parameter, for the unit's whole life: where the modules register it, its place
+    in the flat buffers and its sharded form (`sharded`: nn.Parameter(DTensor), what the optimizer
+    and state_dict see). Its unsharded form, made at lazy init, is an UnshardedParam (`unsharded`).
 
-    def __init__(self, registrations, param, offset, world, rank):
+    A tensor parallel parameter (a DTensor on a tp mesh) is sharded by its local tensor: `shape` is
+    that tensor's, and the sharded DTensor spans the dp and tp dims together (FSDP2's layout)."""
+
+    def __init__(self, registrations, param, offset, world, rank, mesh, placements):
         self.registrations = registrations  # [(module, attribute name)], several when tied
-        self.shape = param.shape
-        self.stride = tuple(math.prod(self.shape[i + 1:]) for i in range(len(self.shape)))  # contiguous
+        self.tp_spec = param._spec if isinstance(param, DTensor) else None
+        self.shape = param._local_tensor.shape if self.tp_spec else param.shape  # what the dp group shards
+        self.stride = contiguous_stride(self.shape)
         self.row_numel = math.prod(self.shape[1:])
         rows = math.ceil(self.shape[0] / world)  # torch.chunk's rows per rank (FSDP2's too)
         self.padded_numel = rows * self.row_numel
@@ -106,15 +118,48 @@ class ParamShard:
         self.local_numel = math.prod(self.local_shape)
         self.first_row = rank * rows
         self.offset = offset  # in flat_shard; in flat_full it is offset * world
-        self.sharded = None  # nn.Parameter(DTensor), what the optimizer and state_dict see
-        self.unsharded = None  # nn.Parameter viewing flat_full, what forward and backward see
-        self.accumulated_grad = None  # reduce_dtype grad kept while gradient sync is off
+        self.mesh, self.placements = mesh, placements  # of the sharded DTensor
+        self.global_shape = param.shape  # a DTensor's: the whole parameter's, over every mesh dim
+        self.sharded = None  # nn.Parameter(DTensor)
+        self.unsharded = None  # UnshardedParam
         self.requires_grad = param.requires_grad  # as last seen on both parameter objects
 
-    def take_unsharded_grad(self):
-        grad = self.accumulated_grad if self.accumulated_grad is not None else self.unsharded.grad
-        self.accumulated_grad, self.unsharded.grad = None, None
+    def as_sharded(self, local):
+        """The sharded DTensor whose local tensor is `local`, this rank's rows."""
+        return dtensor_around(local, self.mesh, self.placements, self.global_shape, contiguous_stride(self.global_shape))
+
+
+class UnshardedParam:
+    """A parameter's gathered form, from lazy init on: the nn.Parameter forward and backward see
+    (`param`, viewing flat_full; over the tp mesh for a tensor parallel parameter), and its grads
+    on their way to the reduce-scatter."""
+
+    def __init__(self, view, ps):
+        self.tp_spec = ps.tp_spec
+        if self.tp_spec:  # the local tensor gathered over dp, placed over tp as before sharding
+            view = dtensor_around(view, self.tp_spec.mesh, self.tp_spec.placements, ps.global_shape,
+                                  contiguous_stride(ps.global_shape))
+        self.param = nn.Parameter(view, requires_grad=ps.requires_grad)
+        self.accumulated_grad = None  # reduce_dtype sum kept while gradient sync is off
+
+    def local_grad(self):
+        """This backward's grad as a plain tensor (None if none). A tensor parallel one is first
+        placed as its parameter (a Partial sum reduced over tp, say), as FSDP2 does."""
+        grad = self.param.grad
+        if grad is None or self.tp_spec is None:
+            return grad
+        if grad.placements != self.tp_spec.placements:
+            grad = grad.redistribute(placements=self.tp_spec.placements)
+        return grad._local_tensor
+
+    def take_grad(self):
+        """The grad to reduce: the kept sum, or this backward's grad; the parameter holds none after."""
+        grad = self.accumulated_grad if self.accumulated_grad is not None else self.local_grad()
+        self.accumulated_grad, self.param.grad = None, None
         return grad
+
+    def has_grad(self):
+        return self.param.grad is not None or self.accumulated_grad is not None
 
 
 class ShardedUnit:
@@ -171,17 +216,14 @@ class ShardedUnit:
             yield module
 
         nested = {param for module in self.modules for sub in module.modules() if hasattr(sub, "_fsdp_unit")
-                  for ps in sub._fsdp_unit.params for param in (ps.sharded, ps.unsharded)}
+                  for ps in sub._fsdp_unit.params
+                  for param in (ps.sharded, ps.unsharded and ps.unsharded.param)}
         found, seen = {}, set()
         for module in self.modules:
             for sub in post_order(module, seen):
                 for name, p in sub._parameters.items():
                     if p is None or p in nested:
                         continue
-                    if isinstance(p, DTensor):  # (skipped, it would train unsharded and unreduced)
-                        raise NotImplementedError(
-                            f"fully_shard({self.name}): {name} is already a DTensor (tensor parallel, say); fsdp_impl "
-                            "does not yet shard DTensor parameters over another mesh dim: use torch's fully_shard")
                     found.setdefault(p, []).append((sub, name))
         if any(hasattr(p, "_fsdp_sharded") for p in found):  # marked below by a nested unit
             raise ValueError(f"a parameter of {self.name} is tied to one inside a nested "
@@ -197,7 +239,7 @@ class ShardedUnit:
         for p, regs in found.items():
             if p.dim() == 0:
                 raise ValueError(f"fully_shard({self.name}): 0-dim parameter {regs[0][1]} is not supported")
-            ps = ParamShard(regs, p, offset, self.world, self.rank)
+            ps = ParamShard(regs, p, offset, self.world, self.rank, *self._sharded_placement(p))
             offset += ps.padded_numel
             self.params.append(ps)
         self.shard_numel = offset
@@ -205,10 +247,26 @@ class ShardedUnit:
         self.flat_shard = self._new_flat_shard(torch.device("meta") if on_meta else self.compute_device)
         for ps, p in zip(self.params, found):
             if not on_meta:
-                rows = p.detach().reshape(ps.shape[0], -1)[ps.first_row:ps.first_row + ps.local_shape[0]]
+                local = p._local_tensor if ps.tp_spec else p
+                rows = local.detach().reshape(ps.shape[0], -1)[ps.first_row:ps.first_row + ps.local_shape[0]]
                 self._local_view(ps).view(-1, max(ps.row_numel, 1)).copy_(rows)
-            ps.sharded = nn.Parameter(self._as_dtensor(self._local_view(ps), ps), requires_grad=p.requires_grad)
+            ps.sharded = nn.Parameter(ps.as_sharded(self._local_view(ps)), requires_grad=p.requires_grad)
         self._register(unsharded=False)
+
+    def _sharded_placement(self, param):
+        """(mesh, placements) of a parameter's sharded DTensor. A tensor parallel parameter's mesh is
+        the dp mesh's dims then the tp mesh's; its dp dim shards rows of the tp-local tensor, which
+        DTensor spells _StridedShard when tp shards dim 0 too (FSDP2's spec, so state dicts agree)."""
+        if not isinstance(param, DTensor):
+            return self.mesh, self.placements
+        spec = param._spec
+        if self.mesh.mesh_dim_names is None or spec.mesh.mesh_dim_names is None:
+            raise ValueError(f"fully_shard({self.name}): a tensor parallel parameter needs named mesh dims "
+                             "(init_device_mesh(..., mesh_dim_names=...)), to name its combined mesh")
+        split = spec.num_shards_map[0]
+        shard = _StridedShard(0, split_factor=split) if split > 1 else Shard(0)
+        return (DeviceMesh._concatenate([self.mesh, spec.mesh]),
+                self.placements[:-1] + (shard,) + tuple(spec.placements))
 
     def _move_buffers(self):
         """Buffers (masks, running statistics) go where forward runs, as FSDP2 moves them; meta ones
@@ -235,9 +293,6 @@ class ShardedUnit:
         flat = self.flat_shard if flat is None else flat
         return flat[ps.offset:ps.offset + ps.local_numel].view(ps.local_shape)
 
-    def _as_dtensor(self, local, ps):
-        return dtensor_around(local, self.mesh, self.placements, ps.shape, ps.stride)
-
     def lazy_init(self, schedule, is_root):
         """Called once by the root before the first forward, on the final device."""
         self.schedule = schedule
@@ -257,7 +312,7 @@ class ShardedUnit:
         for ps in self.params:
             start = ps.offset * self.world
             view = self.flat_full[start:start + math.prod(ps.shape)].view(ps.shape)
-            ps.unsharded = nn.Parameter(view, requires_grad=ps.requires_grad)
+            ps.unsharded = UnshardedParam(view, ps)
         # each parameter's padded full tensor as [W, rows per rank * row numel]: where the copy out of
         # the rank-major all-gather output puts its pieces
         self._padded_numels = [ps.padded_numel for ps in self.params]
@@ -280,7 +335,7 @@ class ShardedUnit:
         for ps in self.params:
             local = self._local_view(ps, flat)
             local.copy_(ps.sharded.to_local())
-            fresh = nn.Parameter(self._as_dtensor(local, ps), requires_grad=ps.sharded.requires_grad)
+            fresh = nn.Parameter(ps.as_sharded(local), requires_grad=ps.sharded.requires_grad)
             torch.utils.swap_tensors(ps.sharded, fresh)  # keeps the object the optimizer holds
         self.flat_shard = flat
 
@@ -294,10 +349,11 @@ class ShardedUnit:
             loaded = module._parameters[name]
             if loaded is ps.sharded:
                 continue
-            if not isinstance(loaded, DTensor) or loaded.shape != ps.shape or loaded.placements != self.placements:
+            if (not isinstance(loaded, DTensor) or loaded.shape != ps.global_shape
+                    or loaded.placements != ps.placements):
                 raise ValueError(f"a parameter assigned in {self.name} (load_state_dict(assign=True), say): {name} "
-                                 f"must be a DTensor of shape {tuple(ps.shape)} placed {self.placements} (as in "
-                                 "a sharded state dict)")
+                                 f"must be a DTensor of shape {tuple(ps.global_shape)} placed {ps.placements} (as "
+                                 "in a sharded state dict)")
             ps.sharded = loaded
             adopted = True
         if adopted:
@@ -370,7 +426,7 @@ class ShardedUnit:
         registration of a tied one). Into `_parameters` directly: nn.Module.__setattr__'s checks
         cost more than the rest of a unit's swap."""
         for ps in self.params:
-            param = ps.unsharded if unsharded else ps.sharded
+            param = ps.unsharded.param if unsharded else ps.sharded
             for module, name in ps.registrations:
                 module._parameters[name] = param
 
@@ -401,9 +457,8 @@ class ShardedUnit:
         self.holds_unreduced_grads = False
         self._partial_reduction = None
         for ps in self.params:
-            ps.accumulated_grad = None
             if ps.unsharded is not None:
-                ps.unsharded.grad = None
+                ps.unsharded.take_grad()  # (dropped)
 
     # ---- hooks' bodies (called from api.py) ----------------------------------------------
     def pre_forward(self, grad_enabled):
@@ -445,12 +500,12 @@ class ShardedUnit:
         gathered, as the root is after a no_grad forward). The one that changed since the last
         look sets both."""
         for ps in self.params:
-            sharded, unsharded = ps.sharded.requires_grad, ps.unsharded.requires_grad
+            sharded, unsharded = ps.sharded.requires_grad, ps.unsharded.param.requires_grad
             if sharded == unsharded == ps.requires_grad:
                 continue
             ps.requires_grad = sharded if sharded != ps.requires_grad else unsharded
             ps.sharded.requires_grad_(ps.requires_grad)
-            ps.unsharded.requires_grad_(ps.requires_grad)
+            ps.unsharded.param.requires_grad_(ps.requires_grad)
 
     def post_forward(self, grad_enabled):
         if self.training_state == PRE_BACKWARD:
@@ -499,20 +554,22 @@ class ShardedUnit:
         ledger.log("backward_end", self.name)
         self._end_phase_range()
         for ps in self.params:  # a previous micro-step kept an upcast grad: add this one to it
-            if ps.accumulated_grad is not None and ps.unsharded.grad is not None:
-                ps.accumulated_grad += ps.unsharded.grad
-                ps.unsharded.grad = None
+            kept = ps.unsharded
+            if kept.accumulated_grad is not None and kept.param.grad is not None:
+                kept.accumulated_grad += kept.local_grad()
+                kept.param.grad = None
         self.holds_unreduced_grads = not self.requires_grad_sync
         if self.reshard_after_backward:
             self.reshard()  # (the unsharded grads are tensors of their own: they stay)
         if not self.requires_grad_sync:
             for ps in self.params:  # hold the running sum in reduce_dtype (FSDP2 does the same)
-                if ps.unsharded.grad is not None and ps.unsharded.grad.dtype != self.reduce_dtype:
-                    ps.accumulated_grad = ps.unsharded.grad.to(self.reduce_dtype)
-                    ps.unsharded.grad = None
+                kept = ps.unsharded
+                if kept.param.grad is not None and kept.param.grad.dtype != self.reduce_dtype:
+                    kept.accumulated_grad = kept.local_grad().to(self.reduce_dtype)
+                    kept.param.grad = None
             return
-        with_grad = [ps for ps in self.params if ps.unsharded.grad is not None or ps.accumulated_grad is not None]
-        grads = [ps.take_unsharded_grad() for ps in with_grad]
+        with_grad = [ps for ps in self.params if ps.unsharded.has_grad()]
+        grads = [ps.unsharded.take_grad() for ps in with_grad]
         if len({g.dtype for g in grads}) > 1:  # float32 sums beside first grads that came in bf16 now
             grads = [g.to(self.reduce_dtype) for g in grads]
         if grads:

@@ -835,7 +835,8 @@ def deepcopy_of_a_sharded_model(impl, mesh):
 
 
 def what_is_refused(impl, mesh):
-    """What fully_shard raises for what FSDP2 refuses: a container with no forward of its own, a 3-D mesh."""
+    """What fully_shard raises for what FSDP2 refuses: a container with no forward of its own, a 3-D
+    mesh, a 2-D mesh whose dims have no names."""
     def raised(attempt):
         try:
             attempt()
@@ -843,25 +844,11 @@ def what_is_refused(impl, mesh):
         except Exception as e:
             return {"type": type(e).__name__, "lines": len(str(e).splitlines())}
     mesh_3d = init_device_mesh("cpu", (1, 1, dist.get_world_size()))
+    unnamed_2d = init_device_mesh("cpu", (1, dist.get_world_size()))  # which dim replicates?
     return {"module_list": raised(lambda: SHARD[impl](nn.ModuleList([nn.Linear(2, 2)]), mesh=mesh)),
             "module_dict": raised(lambda: SHARD[impl](nn.ModuleDict({"a": nn.Linear(2, 2)}), mesh=mesh)),
-            "mesh_3d": raised(lambda: SHARD[impl](nn.Linear(2, 2), mesh=mesh_3d))}
-
-
-def tensor_parallel_then_fully_shard(impl, mesh):
-    """A Linear made tensor parallel (column-wise) on the "tp" dim of a (dp=1, tp=2) mesh, then
-    fully_shard on "dp": FSDP2 trains it; what fsdp_impl raises (it left such parameters unsharded
-    and their grads unreduced over dp), or that it trained."""
-    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
-    mesh_2d = init_device_mesh("cpu", (1, dist.get_world_size()), mesh_dim_names=("dp", "tp"))
-    torch.manual_seed(0)
-    model = parallelize_module(nn.Linear(D, D), mesh_2d["tp"], ColwiseParallel())
-    try:
-        SHARD[impl](model, mesh=mesh_2d["dp"])
-        model(data(0)).sum().backward()
-        return {"trained": True}
-    except Exception as e:
-        return {"raised": type(e).__name__, "lines": len(str(e).splitlines()), "message": str(e)}
+            "mesh_3d": raised(lambda: SHARD[impl](nn.Linear(2, 2), mesh=mesh_3d)),
+            "unnamed_2d_mesh": raised(lambda: SHARD[impl](nn.Linear(2, 2), mesh=unnamed_2d))}
 
 
 def slice_of_a_sharded_sequential(impl, mesh):
@@ -964,8 +951,7 @@ def main():
     for check in (grouped_unit_output_dtypes, memory_report_of_uneven_shards, freed_after_del, fully_shard_twice,
                   list_argument_and_dropped_forward, inplace_on_a_view_output, late_unshard_handle_wait, deepcopy_of_a_sharded_model,
                   submodule_state_dict_while_gathered, meta_model_first_forward, graphs_of_compiled_blocks,
-                  what_is_refused, slice_of_a_sharded_sequential, jvp_through_a_sharded_model,
-                  tensor_parallel_then_fully_shard):
+                  what_is_refused, slice_of_a_sharded_sequential, jvp_through_a_sharded_model):
         result[check.__name__] = {impl: check(impl, mesh) for impl in ("fsdp2", "ours")}
     # The last flow can kill the process (fsdp_impl segfaulted there). The other flows' results are
     # written first, then again with this flow's record: after a crash the report lacks it (and the

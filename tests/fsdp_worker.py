@@ -521,9 +521,9 @@ def memory_checks(world, mesh1d):
         units = {u.name: u for u in units_of(model)}  # named at lazy init (first forward)
         loss.backward()
         us = units.values()
-        res["after_backward_unsharded_grad_none"].append(all(ps.unsharded.grad is None for u in us for ps in u.params))
+        res["after_backward_unsharded_grad_none"].append(all(ps.unsharded.param.grad is None for u in us for ps in u.params))
         res["after_backward_accumulated_grad_none"].append(
-            all(ps.accumulated_grad is None for u in us for ps in u.params))
+            all(ps.unsharded.accumulated_grad is None for u in us for ps in u.params))
         res["after_backward_all_sharded"].append(all(u.state == "sharded" for u in us))
         res["after_backward_flat_full_freed"].append(all(u.flat_full.untyped_storage().nbytes() == 0 for u in us))
         res["after_backward_nothing_in_flight"].append(

@@ -224,8 +224,8 @@ def test_non_root_forward_first_raises(report):
 
 
 def test_what_fsdp2_refuses_is_refused_at_fully_shard_with_its_exception_type(report):
-    """A container without a forward of its own and a 3-D mesh: refused at once, in one line, with
-    FSDP2's exception type (ours accepted both and misbehaved later)."""
+    """A container without a forward of its own, a 3-D mesh, a 2-D mesh without dim names: refused at
+    once, in one line, with FSDP2's exception type (ours accepted them and misbehaved later)."""
     r = report["what_is_refused"]
     assert all(r["fsdp2"][case] for case in r["fsdp2"]), r["fsdp2"]  # the reference behaviour
     for case, theirs in r["fsdp2"].items():
@@ -243,12 +243,3 @@ def test_jvp_through_a_sharded_model_computes_fsdp2s_numbers(report):
     r = report["jvp_through_a_sharded_model"]
     assert r["fsdp2"]["trains_after"], r["fsdp2"]  # the reference behaviour
     assert r["ours"] == r["fsdp2"], r
-
-
-def test_tensor_parallel_parameters_are_refused_not_left_unsharded(report):
-    """FSDP over TP is FSDP2's and not yet ours: fsdp_impl refuses DTensor parameters in one line at
-    fully_shard time, where it skipped them, leaving them unsharded and unreduced over dp."""
-    r = report["tensor_parallel_then_fully_shard"]
-    assert r["fsdp2"] == {"trained": True}, r  # the reference behaviour
-    assert r["ours"]["raised"] == "NotImplementedError" and r["ours"]["lines"] == 1, r["ours"]
-    assert "tensor parallel" in r["ours"]["message"], r["ours"]
