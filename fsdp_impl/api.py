@@ -153,14 +153,14 @@ def _outside_func_transforms():
     """A forward may run inside a torch.func transform (jvp, say), which wraps the tensors it
     captures: the units' own bookkeeping (set-up, gathers into the parameters' storage, frees)
     runs outside it, on the tensors themselves, as FSDP2's does. (Outside a transform, nothing to
-    switch off: the check costs a tenth of the switch, on every unit's hooks.)"""
+    switch off: the check is far cheaper than the switch, on every unit's hooks.)"""
     return torch._C._DisableFuncTorch() if torch._C._are_functorch_transforms_active() else comm.NOTHING
 
 
 def _map_tensors(fn, tree):
     """fn over the tensors in a module's inputs or outputs. A tensor or a tuple of tensors (the
     usual case) directly; anything else through torch's walk (FSDP2's too), which also opens
-    dataclasses, unlike pytree, but costs about 20 us a call: per unit and step, host time."""
+    dataclasses, unlike pytree, but is slow: it runs per unit and step, on the host's time."""
     if isinstance(tree, torch.Tensor):
         return fn(tree)
     if type(tree) is tuple and all(isinstance(t, torch.Tensor) for t in tree):

@@ -41,6 +41,12 @@ ledger = Ledger()
 NOTHING = nullcontext()  # (one, shared: creating one per use costs a call on every unit's hot path)
 
 
+def on_stream(stream):
+    """Run what follows on `stream` (a CUDA stream), or where it would have run (None).
+    (torch.cuda.stream(None) is a no-op too, but costlier, on every unit's host-bound hot path.)"""
+    return torch.cuda.stream(stream) if stream is not None else NOTHING
+
+
 def profiled(name):
     """A named range in profiler traces (free when no profiler is running)."""
     return record_function(name) if torch.autograd.profiler._is_profiler_enabled else NOTHING

@@ -47,8 +47,8 @@ class Schedule:
         self.pre_forward_order, self.post_forward_order = [], []
         self.recording = True
         self.next_forward, self.next_backward = {}, {}
-        self.pending_reductions = []
-        self.pending_all_reduces = []  # HSDP: units whose all-reduce across replicas is in flight
+        self.pending_reductions = []  # GradReductions whose reduce-scatter is in flight
+        self.pending_all_reduces = []  # HSDP: those whose all-reduce across replicas is in flight
         self.read_by_copy_out = None  # (tensors, event): see hold_until_read
         self.end_of_backward_queued = False
         _schedules.add(self)
@@ -104,7 +104,7 @@ class Schedule:
 
     def finish_reductions(self):
         while self.pending_reductions:
-            self.pending_reductions.pop(0).finish_reduction()
+            self.pending_reductions.pop(0).finish()
 
     def end_of_backward(self):
         for unit in self.units:
@@ -114,8 +114,8 @@ class Schedule:
         while self.pending_all_reduces:
             self.pending_all_reduces.pop(0).finish_all_reduce()
         for unit in self.units:
-            unit.all_reduce_kept_sums()
-            unit.wait_copy_out()  # the optimizer reads offloaded grads on the CPU, next
+            unit.grads.all_reduce_kept_sums()
+            unit.grads.wait_copy_out()  # the optimizer reads offloaded grads on the CPU, next
             unit.training_state = IDLE
             if unit.state == GATHERING:  # a prefetch nothing used (reentrant checkpointing's recompute)
                 unit.reshard()

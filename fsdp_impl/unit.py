@@ -17,10 +17,10 @@ Memory layout (W ranks in the shard group, rank r):
 With one rank the shard already has the full layout: the all-gather is a copy straight into
 flat_full and the reduce-scatter is the identity (its input becomes the sharded .grads).
 
-Gradients go the other way: unsharded grads -> [W, S] (torch._chunk_cat pads each to the row
-layout above) -> one reduce-scatter (AVG) -> [S], whose pieces become the sharded DTensor .grads.
-The layout and the collectives are exactly FSDP2's, so with the same arithmetic the numbers are
-the same bits.
+Gradients go the other way (reduce.py): unsharded grads -> [W, S] -> one reduce-scatter (AVG) ->
+[S], whose pieces become the sharded DTensor .grads. The layout and the collectives are exactly
+FSDP2's, so with the same arithmetic the numbers are the same bits. A parameter's two forms are
+in param.py.
 
 Two state machines. Where the parameters are (`state`): SHARDED -> GATHERING (all-gather in
 flight) -> UNSHARDED -> SHARDED. Where the unit is in a step (`training_state`): IDLE -> FORWARD
@@ -35,11 +35,12 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from . import comm
-from .comm import ledger, profiled
+from .comm import ledger, on_stream, profiled
+from .param import ParamShard, UnshardedParam, same_storage
+from .reduce import GradReduction
 
 SHARDED, GATHERING, UNSHARDED = "sharded", "gathering", "unsharded"  # where the parameters are: `state`
 IDLE, FORWARD, PRE_BACKWARD = "idle", "forward", "pre_backward"  # where the unit is in a step: `training_state`
@@ -53,15 +54,6 @@ class Gather(NamedTuple):
     copied_in: object  # offload: the copy-in stream's event after the shard's copy, else None
 
 
-class Reduction(NamedTuple):
-    """A reduce-scatter or an all-reduce in flight over `params` (flat `output`, in their order);
-    the input is held until the wait. Reduced sums kept for later have no work."""
-    work: object
-    input: torch.Tensor
-    output: torch.Tensor
-    params: list
-
-
 def reshard_after_forward_flag(value, world):
     """FSDP2's reshard_after_forward over `world` ranks -> True, False or None (decided at lazy init).
     Of its ints, the two that mean a bool are taken (1: False, `world`: True); resharding to a
@@ -72,94 +64,6 @@ def reshard_after_forward_flag(value, world):
         return value != 1
     raise ValueError(f"reshard_after_forward={value!r} over {world} ranks: use True, False or None "
                      "(fsdp_impl does not reshard to a smaller group after forward)")
-
-
-def on_stream(stream):
-    """Run what follows on `stream` (a CUDA stream), or where it would have run (None). (torch.cuda.stream(None)
-    is a no-op too, but costs 8 us a call against 1, on every unit's gather of the host-bound GPU steps.)"""
-    return torch.cuda.stream(stream) if stream is not None else comm.NOTHING
-
-
-def same_storage(a, b):
-    """Whether tensors a and b view one storage. By the storage object, not its address: two
-    storages without memory (empty, or fake tensors') both report address 0."""
-    return a.untyped_storage()._cdata == b.untyped_storage()._cdata
-
-
-def contiguous_stride(shape):
-    return tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
-
-
-def dtensor_around(local, mesh, placements, shape, stride):
-    """A DTensor whose local tensor is `local` itself, wherever it lives. (DTensor.from_local moves
-    a tensor to the mesh's device type: an offloaded shard in CPU memory would become a GPU copy,
-    which the optimizer would update instead of the flat shard. FSDP2 builds them this way too.)"""
-    spec = DTensorSpec(mesh, tuple(placements), tensor_meta=TensorMeta(shape, stride, local.dtype))
-    return DTensor(local, spec, requires_grad=False)
-
-
-class ParamShard:
-    """One managed parameter, for the unit's whole life: where the modules register it, its place
-    in the flat buffers and its sharded form (`sharded`: nn.Parameter(DTensor), what the optimizer
-    and state_dict see). Its unsharded form, made at lazy init, is an UnshardedParam (`unsharded`).
-
-    A tensor parallel parameter (a DTensor on a tp mesh) is sharded by its local tensor: `shape` is
-    that tensor's, and the sharded DTensor spans the dp and tp dims together (FSDP2's layout)."""
-
-    def __init__(self, registrations, param, offset, world, rank, mesh, placements):
-        self.registrations = registrations  # [(module, attribute name)], several when tied
-        self.tp_spec = param._spec if isinstance(param, DTensor) else None
-        self.shape = param._local_tensor.shape if self.tp_spec else param.shape  # what the dp group shards
-        self.stride = contiguous_stride(self.shape)
-        self.row_numel = math.prod(self.shape[1:])
-        rows = math.ceil(self.shape[0] / world)  # torch.chunk's rows per rank (FSDP2's too)
-        self.padded_numel = rows * self.row_numel
-        self.local_shape = (max(0, min(rows, self.shape[0] - rank * rows)),) + tuple(self.shape[1:])
-        self.local_numel = math.prod(self.local_shape)
-        self.first_row = rank * rows
-        self.offset = offset  # in flat_shard; in flat_full it is offset * world
-        self.mesh, self.placements = mesh, placements  # of the sharded DTensor
-        self.global_shape = param.shape  # a DTensor's: the whole parameter's, over every mesh dim
-        self.sharded = None  # nn.Parameter(DTensor)
-        self.unsharded = None  # UnshardedParam
-        self.requires_grad = param.requires_grad  # as last seen on both parameter objects
-
-    def as_sharded(self, local):
-        """The sharded DTensor whose local tensor is `local`, this rank's rows."""
-        return dtensor_around(local, self.mesh, self.placements, self.global_shape, contiguous_stride(self.global_shape))
-
-
-class UnshardedParam:
-    """A parameter's gathered form, from lazy init on: the nn.Parameter forward and backward see
-    (`param`, viewing flat_full; over the tp mesh for a tensor parallel parameter), and its grads
-    on their way to the reduce-scatter."""
-
-    def __init__(self, view, ps):
-        self.tp_spec = ps.tp_spec
-        if self.tp_spec:  # the local tensor gathered over dp, placed over tp as before sharding
-            view = dtensor_around(view, self.tp_spec.mesh, self.tp_spec.placements, ps.global_shape,
-                                  contiguous_stride(ps.global_shape))
-        self.param = nn.Parameter(view, requires_grad=ps.requires_grad)
-        self.accumulated_grad = None  # reduce_dtype sum kept while gradient sync is off
-
-    def local_grad(self):
-        """This backward's grad as a plain tensor (None if none). A tensor parallel one is first
-        placed as its parameter (a Partial sum reduced over tp, say), as FSDP2 does."""
-        grad = self.param.grad
-        if grad is None or self.tp_spec is None:
-            return grad
-        if grad.placements != self.tp_spec.placements:
-            grad = grad.redistribute(placements=self.tp_spec.placements)
-        return grad._local_tensor
-
-    def take_grad(self):
-        """The grad to reduce: the kept sum, or this backward's grad; the parameter holds none after."""
-        grad = self.accumulated_grad if self.accumulated_grad is not None else self.local_grad()
-        self.accumulated_grad, self.param.grad = None, None
-        return grad
-
-    def has_grad(self):
-        return self.param.grad is not None or self.accumulated_grad is not None
 
 
 class ShardedUnit:
@@ -191,12 +95,8 @@ class ShardedUnit:
         self.training_state = IDLE
         self.modules_to_run = set()  # of a forward under way: a grouped unit's ends once all of them ran
         self.needs_post_backward = False  # a forward with grad ran: its backward will bring grads
-        self.holds_unreduced_grads = False  # accumulated with gradient sync off, not yet reduce-scattered
         self._gather = None  # Gather, while GATHERING
-        self._copied_out = None  # offload: event of the grads' copy to CPU memory, while in flight
-        self._reduction = None  # Reduction, while a reduce-scatter is in flight
-        self._partial_reduction = None  # Reduction: HSDP with all-reduce off, reduce-scattered, not yet averaged
-        self._all_reduce = None  # Reduction: HSDP, while the all-reduce across replicas is in flight
+        self.grads = GradReduction(self)  # the gradients' way to the sharded .grads
         self._phase_range = None  # profiler range of this unit's forward or backward, while open
         self._shard()
         self._move_buffers()
@@ -373,7 +273,7 @@ class ShardedUnit:
             # the memory it fills was last read by kernels queued on the compute stream
             copy_in.wait_stream(torch.cuda.current_stream())
         # (no torch.no_grad(): nothing here requires grad, neither the flat shard nor flat_full, so
-        # nothing records a graph; it would cost 2-3 us per call, twice per unit and step)
+        # nothing records a graph; the switch would cost host time twice per unit and step)
         with profiled(f"fsdp::all_gather {self.name}"), on_stream(copy_in):
             ledger.log("all_gather", self.name)
             shard = self.flat_shard
@@ -445,20 +345,11 @@ class ShardedUnit:
     def reset(self):
         """Back to SHARDED and idle after an exception in forward or backward; collectives in
         flight complete (the peers posted them too) and their gradients are dropped."""
-        for pending in (self._reduction, self._all_reduce):
-            if pending is not None:
-                pending.work.wait()
-        self._reduction = self._all_reduce = None
-        self.wait_copy_out()
+        self.grads.reset()
         self.reshard()
         self._end_phase_range()
         self.training_state = IDLE
         self.needs_post_backward = False
-        self.holds_unreduced_grads = False
-        self._partial_reduction = None
-        for ps in self.params:
-            if ps.unsharded is not None:
-                ps.unsharded.take_grad()  # (dropped)
 
     # ---- hooks' bodies (called from api.py) ----------------------------------------------
     def pre_forward(self, grad_enabled):
@@ -538,198 +429,17 @@ class ShardedUnit:
 
     def post_backward(self, end_of_backward=False):
         """A forward's backward is over (its inputs' grads are computed: api.py's gate), or the whole
-        backward is (the end-of-backward callback, which calls every unit): reduce-scatter the grads
-        (or keep accumulating them), then reshard. A forward that never ended (not every module of
-        the unit ran, and the root's forward did not end it) may still bring grads from its other
-        calls: the end of backward reduces them, as FSDP2's. (The checks outside the no_grad below:
-        for most units the callback's call finds nothing to do.)"""
+        backward is (the end-of-backward callback, which calls every unit): reshard, then hand the
+        grads to the reduction (reduce.py). A forward that never ended (not every module of the unit
+        ran, and the root's forward did not end it) may still bring grads from its other calls: the
+        end of backward reduces them, as FSDP2's."""
         if self.training_state == FORWARD and not end_of_backward:
             return
-        if self.needs_post_backward or (self.requires_grad_sync and self.holds_unreduced_grads):
-            self._reduce_grads()
-
-    @torch.no_grad()
-    def _reduce_grads(self):
+        if not (self.needs_post_backward or (self.requires_grad_sync and self.grads.holds_unreduced)):
+            return
         self.needs_post_backward = False
         ledger.log("backward_end", self.name)
         self._end_phase_range()
-        for ps in self.params:  # a previous micro-step kept an upcast grad: add this one to it
-            kept = ps.unsharded
-            if kept.accumulated_grad is not None and kept.param.grad is not None:
-                kept.accumulated_grad += kept.local_grad()
-                kept.param.grad = None
-        self.holds_unreduced_grads = not self.requires_grad_sync
         if self.reshard_after_backward:
             self.reshard()  # (the unsharded grads are tensors of their own: they stay)
-        if not self.requires_grad_sync:
-            for ps in self.params:  # hold the running sum in reduce_dtype (FSDP2 does the same)
-                kept = ps.unsharded
-                if kept.param.grad is not None and kept.param.grad.dtype != self.reduce_dtype:
-                    kept.accumulated_grad = kept.local_grad().to(self.reduce_dtype)
-                    kept.param.grad = None
-            return
-        with_grad = [ps for ps in self.params if ps.unsharded.has_grad()]
-        grads = [ps.unsharded.take_grad() for ps in with_grad]
-        if len({g.dtype for g in grads}) > 1:  # float32 sums beside first grads that came in bf16 now
-            grads = [g.to(self.reduce_dtype) for g in grads]
-        if grads:
-            self.schedule.finish_reductions()  # at most one reduce-scatter in flight
-            self._reduce_scatter(with_grad, grads)
-
-    def _reduce_scatter(self, params, grads):
-        with profiled(f"fsdp::reduce_scatter {self.name}"):
-            ledger.log("reduce_scatter", self.name)
-            numel = sum(ps.padded_numel for ps in params)
-            copy_out = None  # offloaded at one rank: the copy-out stream
-            if self.world == 1:  # the reduction is the identity, so its input is its output (no copy)
-                # offloaded (not HSDP, whose all-reduce runs on the compute stream's side), the
-                # copy-out stream casts the grads into memory of its own, copies that to the CPU and
-                # frees it in its own order, so no record_stream holds the memory back
-                if self.offload and self.replicate_group is None:
-                    copy_out = self.schedule.offload_streams[1]
-                    copy_out.wait_stream(torch.cuda.current_stream())
-                with on_stream(copy_out):
-                    rs_input = torch.empty(numel, dtype=self.reduce_dtype, device=self.compute_device)
-                    # no padding to add, so one multi-tensor copy (and cast) does it: on a GPU it is
-                    # faster than CUDA's _chunk_cat kernel for large blocks, for a little more host time
-                    torch._foreach_copy_(rs_input.split([ps.padded_numel for ps in params]),
-                                         [grad.flatten() for grad in grads])
-                if copy_out is not None:  # the grads stay alive until the copy-out stream has read them
-                    self.schedule.hold_until_read(list(grads), copy_out.record_event())
-            else:
-                rs_input = torch.empty(self.world * numel, dtype=self.reduce_dtype, device=self.compute_device)
-                torch._chunk_cat(grads, dim=0, num_chunks=self.world, out=rs_input.view(self.world, -1))
-            grads.clear()  # the unsharded gradients are freed here
-            # the output, which outlives the step as the sharded grads, only now (FSDP2's order too):
-            # allocated before, it was one shard more at the peak, beside the unsharded grads
-            rs_output = rs_input.new_empty(numel) if self.world > 1 else rs_input
-            work = comm.reduce_scatter(rs_output, rs_input, self.shard_group)
-            self._reduction = Reduction(work, rs_input, rs_output, params)
-            if self.world == 1 and self.replicate_group is None:
-                # nothing to reduce, here or across replicas, so nothing to wait for: the sharded grads
-                # now (offloaded, the copy to the CPU queued right behind the cast), not a unit later
-                # through the queue, whose bookkeeping costs host time per unit on a host-bound GPU step
-                self.finish_reduction()
-            else:
-                self.schedule.pending_reductions.append(self)
-
-    def _add_partial_reduction(self, output, params):
-        """This micro-step's replica-local sums plus those kept from micro-steps without all-reduce,
-        which may cover other parameters (a layer skipped in one of them) -> (sums, parameters)."""
-        kept, kept_params = self._partial_reduction.output, self._partial_reduction.params
-        self._partial_reduction = None
-        if kept_params == params:
-            return output.add_(kept), params
-        union = [ps for ps in self.params if ps in kept_params or ps in params]  # in the unit's order
-        starts, offset = {}, 0
-        for ps in union:
-            starts[ps], offset = offset, offset + ps.padded_numel
-        merged = torch.zeros(offset, dtype=output.dtype, device=output.device)
-        for sums, over in ((output, params), (kept, kept_params)):  # new + kept, as add_ above
-            offset = 0
-            for ps in over:
-                merged[starts[ps]:starts[ps] + ps.padded_numel] += sums[offset:offset + ps.padded_numel]
-                offset += ps.padded_numel
-        return merged, union
-
-    @torch.no_grad()
-    def finish_reduction(self):
-        """Wait for this unit's reduce-scatter and accumulate the result into the sharded grads.
-        Under HSDP, issue the all-reduce across replicas instead: the end of backward waits for it
-        (finish_all_reduce), so it runs beside the backward of the units still to come."""
-        self.finish_all_reduce()  # (a unit reduced twice in one backward: the first one's grads first)
-        work, _, output, params = self._reduction
-        self._reduction = None
-        with profiled(f"fsdp::reduce_scatter_wait {self.name}"):
-            work.wait()
-            ledger.log("reduce_scatter_wait", self.name)
-            if self.replicate_group is None:
-                self._accumulate_grads(output, params)
-                return
-            if self._partial_reduction is not None:
-                output, params = self._add_partial_reduction(output, params)
-            if not self.requires_all_reduce:  # keep the replica-local sums for later
-                self._partial_reduction = Reduction(None, None, output, params)
-                return
-            ledger.log("all_reduce", self.name)
-            self._all_reduce = Reduction(comm.all_reduce_mean(output, self.replicate_group), output, output, params)
-            self.schedule.pending_all_reduces.append(self)
-
-    @torch.no_grad()
-    def finish_all_reduce(self):
-        """HSDP: wait for this unit's all-reduce across replicas; its averages become the sharded grads."""
-        if self._all_reduce is None:
-            return
-        work, _, output, params = self._all_reduce
-        self._all_reduce = None
-        with profiled(f"fsdp::all_reduce_wait {self.name}"):
-            work.wait()
-            ledger.log("all_reduce_wait", self.name)
-            self._accumulate_grads(output, params)
-
-    def _copy_out(self, output, adding):
-        """Offload: the reduced grads into (pinned) CPU memory. Without grads there to add them to,
-        the copy runs on a stream of its own, beside the backward of the units still to come, and
-        wait_copy_out() ends it before anything reads them (FSDP2 too copies asynchronously only then)."""
-        host = torch.empty(output.numel(), dtype=self.dtype, pin_memory=self.pin_memory)
-        copy_out = self.schedule.offload_streams[1]
-        copy_out.wait_stream(torch.cuda.current_stream())
-        if adding or not self.pin_memory:
-            # the grads it is added to may be an earlier copy of this backward's still in flight
-            # (a unit called twice): that one first, then a blocking copy, as the add reads it at once
-            # (on the copy-out stream: at one rank that stream wrote `output`)
-            self.wait_copy_out()
-            with torch.cuda.stream(copy_out):
-                return host.copy_(output)
-        with torch.cuda.stream(copy_out):
-            host.copy_(output, non_blocking=True)
-        # freed now, but not reused before the copy has read it (a no-op at one rank, where this
-        # stream allocated it and reuses it in its own order)
-        output.record_stream(copy_out)
-        self._copied_out = copy_out.record_event()  # (replacing an earlier one: the stream runs in order)
-        return host
-
-    def wait_copy_out(self):
-        """Block the host until this unit's grads are in CPU memory (end of backward, reset)."""
-        if self._copied_out is not None:
-            self._copied_out.synchronize()
-            self._copied_out = None
-
-    @torch.no_grad()
-    def all_reduce_kept_sums(self):
-        """HSDP, end of backward: sums kept with the all-reduce off, when the micro-step with it on
-        did not run this unit (so no reduce-scatter brought them along)."""
-        if self._partial_reduction is not None and self.requires_all_reduce:
-            _, _, output, params = self._partial_reduction
-            self._partial_reduction = None
-            comm.all_reduce_mean(output, self.replicate_group).wait()
-            self._accumulate_grads(output, params)
-
-    def _accumulate_grads(self, output, params):
-        """Add the reduced flat `output` (over `params`) into the sharded grads."""
-        if self.offload:
-            output = self._copy_out(output, adding=any(ps.sharded.grad is not None for ps in params))
-        else:
-            output = output.to(self.dtype)
-        # each grad one as_strided view, where a slice and a view are two ops (each ~2 us of host time, per
-        # parameter and step); it reads the storage itself, so the flat output must be contiguous, as every caller's is
-        assert output.is_contiguous()
-        hooked = []
-        offset = output.storage_offset()
-        for ps in params:
-            local = output.as_strided(ps.local_shape, ps.stride, offset)
-            offset += ps.padded_numel
-            if ps.sharded.grad is None:
-                # DTensor.__new__ with the parameter's spec: from_local() costs an autograd node and
-                # a spec per call (~50 us of CPU per parameter and step), and DTensor() adds an
-                # __init__ that does nothing, behind two Python wrappers
-                ps.sharded.grad = DTensor.__new__(DTensor, local, ps.sharded._spec, requires_grad=False)
-            else:
-                ps.sharded.grad.to_local().add_(local)
-            if ps.sharded._post_accumulate_grad_hooks:
-                hooked.append(ps)
-        if hooked and self.offload:
-            self.wait_copy_out()  # (the hooks read the grads: an optimizer stepped in backward, say)
-        for ps in hooked:  # the sharded gradient is ready: as on a plain parameter, its hooks run
-            for hook in ps.sharded._post_accumulate_grad_hooks.values():
-                hook(ps.sharded)
+        self.grads.reduce()

@@ -527,7 +527,7 @@ def memory_checks(world, mesh1d):
         res["after_backward_all_sharded"].append(all(u.state == "sharded" for u in us))
         res["after_backward_flat_full_freed"].append(all(u.flat_full.untyped_storage().nbytes() == 0 for u in us))
         res["after_backward_nothing_in_flight"].append(
-            all(u._gather is None and u._reduction is None for u in us) and not model._fsdp_unit.schedule.pending_reductions)
+            all(u._gather is None and u.grads.in_flight is None for u in us) and not model._fsdp_unit.schedule.pending_reductions)
         res["after_backward_module_holds_dtensors"].append(all(isinstance(p, DTensor) for p in model.parameters()))
         opt.step()
         if step == 0:

@@ -33,7 +33,7 @@ of a sharded model is refused saying to copy its state_dict instead, and state_d
 submodule of a gathered unit holds the sharded DTensors; the first forward of a model left on the
 meta device is a RuntimeError that says so; block.compile() before sharding makes as many graphs
 as under FSDP2 (the hooks stay out of them). What FSDP2 refuses at fully_shard time (a container
-without a forward, a 3-D mesh) is refused with its exception types, and a slice of a sharded
+without a forward, a 3-D mesh, a 2-D mesh without dim names) is refused with its exception types, and a slice of a sharded
 nn.Sequential is a plain Sequential. Code written for FSDP2 that trained wrongly or crashed later
 here: a meta-device unit of which a rank holds nothing, an optimizer stepped from the sharded
 parameters' post-accumulate-grad hooks, CPUOffloadPolicy on a CPU mesh, a grouped unit whose

@@ -510,7 +510,7 @@ DTENSOR_ON_ANOTHER_DEVICE = """
 import torch, torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
-from fsdp_impl.unit import dtensor_around
+from fsdp_impl.param import dtensor_around
 dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
 mesh = DeviceMesh("cuda", torch.arange(1), _init_backend=False)  # (an object only: no GPU is used)
 flat = torch.zeros(12)

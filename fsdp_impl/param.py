@@ -1,0 +1,100 @@
+"""
+The two forms of one managed parameter, split by lifetime:
+
+    ParamShard       from fully_shard on: where the modules register the parameter, its place in
+                     the unit's flat buffers (rows padded to ceil(dim0 / W)), and its sharded
+                     form, an nn.Parameter(DTensor) viewing flat_shard, which the optimizer and
+                     state_dict see.
+    UnshardedParam   from the first forward on: the nn.Parameter forward and backward see,
+                     viewing flat_full, and its grads on their way to the reduction.
+
+A tensor parallel parameter (already a DTensor on a tp mesh) is sharded by its local tensor, as
+FSDP2 does: its sharded DTensor spans the dp and tp dims, its unsharded one the tp dims.
+"""
+import math
+
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+
+def same_storage(a, b):
+    """Whether tensors a and b view one storage. By the storage object, not its address: two
+    storages without memory (empty, or fake tensors') both report address 0."""
+    return a.untyped_storage()._cdata == b.untyped_storage()._cdata
+
+
+def contiguous_stride(shape):
+    return tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
+
+
+def dtensor_around(local, mesh, placements, shape, stride):
+    """A DTensor whose local tensor is `local` itself, wherever it lives. (DTensor.from_local moves
+    a tensor to the mesh's device type: an offloaded shard in CPU memory would become a GPU copy,
+    which the optimizer would update instead of the flat shard. FSDP2 builds them this way too.)"""
+    spec = DTensorSpec(mesh, tuple(placements), tensor_meta=TensorMeta(shape, stride, local.dtype))
+    return DTensor(local, spec, requires_grad=False)
+
+
+class ParamShard:
+    """One managed parameter, for the unit's whole life: where the modules register it, its place
+    in the flat buffers and its sharded form (`sharded`: nn.Parameter(DTensor), what the optimizer
+    and state_dict see). Its unsharded form, made at lazy init, is an UnshardedParam (`unsharded`).
+
+    A tensor parallel parameter (a DTensor on a tp mesh) is sharded by its local tensor: `shape` is
+    that tensor's, and the sharded DTensor spans the dp and tp dims together (FSDP2's layout)."""
+
+    def __init__(self, registrations, param, offset, world, rank, mesh, placements):
+        self.registrations = registrations  # [(module, attribute name)], several when tied
+        self.tp_spec = param._spec if isinstance(param, DTensor) else None
+        self.shape = param._local_tensor.shape if self.tp_spec else param.shape  # what the dp group shards
+        self.stride = contiguous_stride(self.shape)
+        self.row_numel = math.prod(self.shape[1:])
+        rows = math.ceil(self.shape[0] / world)  # torch.chunk's rows per rank (FSDP2's too)
+        self.padded_numel = rows * self.row_numel
+        self.local_shape = (max(0, min(rows, self.shape[0] - rank * rows)),) + tuple(self.shape[1:])
+        self.local_numel = math.prod(self.local_shape)
+        self.first_row = rank * rows
+        self.offset = offset  # in flat_shard; in flat_full it is offset * world
+        self.mesh, self.placements = mesh, placements  # of the sharded DTensor
+        self.global_shape = param.shape  # a DTensor's: the whole parameter's, over every mesh dim
+        self.sharded = None  # nn.Parameter(DTensor)
+        self.unsharded = None  # UnshardedParam
+        self.requires_grad = param.requires_grad  # as last seen on both parameter objects
+
+    def as_sharded(self, local):
+        """The sharded DTensor whose local tensor is `local`, this rank's rows."""
+        return dtensor_around(local, self.mesh, self.placements, self.global_shape, contiguous_stride(self.global_shape))
+
+
+class UnshardedParam:
+    """A parameter's gathered form, from lazy init on: the nn.Parameter forward and backward see
+    (`param`, viewing flat_full; over the tp mesh for a tensor parallel parameter), and its grads
+    on their way to the reduce-scatter."""
+
+    def __init__(self, view, ps):
+        self.tp_spec = ps.tp_spec
+        if self.tp_spec:  # the local tensor gathered over dp, placed over tp as before sharding
+            view = dtensor_around(view, self.tp_spec.mesh, self.tp_spec.placements, ps.global_shape,
+                                  contiguous_stride(ps.global_shape))
+        self.param = nn.Parameter(view, requires_grad=ps.requires_grad)
+        self.accumulated_grad = None  # reduce_dtype sum kept while gradient sync is off
+
+    def local_grad(self):
+        """This backward's grad as a plain tensor (None if none). A tensor parallel one is first
+        placed as its parameter (a Partial sum reduced over tp, say), as FSDP2 does."""
+        grad = self.param.grad
+        if grad is None or self.tp_spec is None:
+            return grad
+        if grad.placements != self.tp_spec.placements:
+            grad = grad.redistribute(placements=self.tp_spec.placements)
+        return grad._local_tensor
+
+    def take_grad(self):
+        """The grad to reduce: the kept sum, or this backward's grad; the parameter holds none after."""
+        grad = self.accumulated_grad if self.accumulated_grad is not None else self.local_grad()
+        self.accumulated_grad, self.param.grad = None, None
+        return grad
+
+    def has_grad(self):
+        return self.param.grad is not None or self.accumulated_grad is not None

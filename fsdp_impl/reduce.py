@@ -1,0 +1,247 @@
+"""
+GradReduction: one unit's gradients, from the unsharded grads backward leaves to the sharded
+.grads the optimizer reads. The whole path, in the order it runs:
+
+    post-backward        reduce(): take each unsharded grad (a tensor parallel one's local part),
+        │                adding a sum kept from micro-steps without sync; with sync off, keep them
+        ▼
+    reduce-scatter       [W, S] rank-major (torch._chunk_cat pads each grad to its rows), AVG over
+        │                the shard group, issued; at most one in flight per schedule
+        ▼
+    finish()             waited when the next unit issues its own, or at the end of backward
+        │
+        ├── HSDP         the shard's sums all-reduced (AVG) over replicas, issued; finish_all_reduce()
+        │                waits at the end of backward. With the all-reduce off, the sums are kept
+        │                and added to the next micro-step's (all_reduce_kept_sums() if it skips the unit)
+        ▼
+    into_sharded_grads() each parameter's rows of the flat result become (or are added to) its
+                         sharded DTensor .grad; offloaded, copied to CPU memory first; then the
+                         parameter's post-accumulate-grad hooks run
+
+A unit's reduce-scatter overlaps the next unit's backward; HSDP's all-reduces overlap the rest of
+backward. With one rank and no replicas nothing is reduced: the grads are cast into place at once.
+"""
+from typing import NamedTuple
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from . import comm
+from .comm import ledger, on_stream, profiled
+
+
+class Collective(NamedTuple):
+    """A reduction in flight over `params` (flat `output`, in their order); the input is held until
+    the wait, since the collective reads it. Sums kept for later have no work."""
+    work: object
+    input: torch.Tensor
+    output: torch.Tensor
+    params: list
+
+
+class GradReduction:
+    def __init__(self, unit):
+        self.unit = unit
+        self.in_flight = None  # Collective: the reduce-scatter, issued and not yet waited
+        self.all_reduce = None  # Collective: HSDP, the all-reduce across replicas in flight
+        self.kept_sums = None  # Collective without work: HSDP with the all-reduce off, replica-local sums
+        self.copied_out = None  # offload: event of the grads' copy to CPU memory, while in flight
+        self.holds_unreduced = False  # grads accumulated with gradient sync off, not yet reduce-scattered
+
+    @torch.no_grad()
+    def reduce(self):
+        """Post-backward: reduce-scatter the unit's grads, or keep accumulating them."""
+        u = self.unit
+        for ps in u.params:  # a previous micro-step kept an upcast sum: add this backward's grad to it
+            full = ps.unsharded
+            if full.accumulated_grad is not None and full.param.grad is not None:
+                full.accumulated_grad += full.local_grad()
+                full.param.grad = None
+        self.holds_unreduced = not u.requires_grad_sync
+        if not u.requires_grad_sync:
+            for ps in u.params:  # hold the running sum in reduce_dtype (FSDP2 does the same)
+                full = ps.unsharded
+                if full.param.grad is not None and full.param.grad.dtype != u.reduce_dtype:
+                    full.accumulated_grad = full.local_grad().to(u.reduce_dtype)
+                    full.param.grad = None
+            return
+        with_grad = [ps for ps in u.params if ps.unsharded.has_grad()]
+        grads = [ps.unsharded.take_grad() for ps in with_grad]
+        if len({g.dtype for g in grads}) > 1:  # float32 sums beside first grads that came in bf16 now
+            grads = [g.to(u.reduce_dtype) for g in grads]
+        if grads:
+            u.schedule.finish_reductions()  # at most one reduce-scatter in flight
+            self._reduce_scatter(with_grad, grads)
+
+    def _reduce_scatter(self, params, grads):
+        u = self.unit
+        with profiled(f"fsdp::reduce_scatter {u.name}"):
+            ledger.log("reduce_scatter", u.name)
+            numel = sum(ps.padded_numel for ps in params)
+            copy_out = None  # offloaded at one rank: the copy-out stream
+            if u.world == 1:  # the reduction is the identity, so its input is its output (no copy)
+                # offloaded (not HSDP, whose all-reduce runs on the compute stream's side), the
+                # copy-out stream casts the grads into memory of its own, copies that to the CPU and
+                # frees it in its own order, so no record_stream holds the memory back
+                if u.offload and u.replicate_group is None:
+                    copy_out = u.schedule.offload_streams[1]
+                    copy_out.wait_stream(torch.cuda.current_stream())
+                with on_stream(copy_out):
+                    rs_input = torch.empty(numel, dtype=u.reduce_dtype, device=u.compute_device)
+                    # no padding to add, so one multi-tensor copy (and cast) does it: on a GPU it is
+                    # faster than CUDA's _chunk_cat kernel for large blocks, for a little more host time
+                    torch._foreach_copy_(rs_input.split([ps.padded_numel for ps in params]),
+                                         [grad.flatten() for grad in grads])
+                if copy_out is not None:  # the grads stay alive until the copy-out stream has read them
+                    u.schedule.hold_until_read(list(grads), copy_out.record_event())
+            else:
+                rs_input = torch.empty(u.world * numel, dtype=u.reduce_dtype, device=u.compute_device)
+                torch._chunk_cat(grads, dim=0, num_chunks=u.world, out=rs_input.view(u.world, -1))
+            grads.clear()  # the unsharded gradients are freed here
+            # the output, which outlives the step as the sharded grads, only now (FSDP2's order too):
+            # allocated before, it was one shard more at the peak, beside the unsharded grads
+            rs_output = rs_input.new_empty(numel) if u.world > 1 else rs_input
+            work = comm.reduce_scatter(rs_output, rs_input, u.shard_group)
+            self.in_flight = Collective(work, rs_input, rs_output, params)
+            if u.world == 1 and u.replicate_group is None:
+                # nothing to reduce, here or across replicas, so nothing to wait for: the sharded grads
+                # now (offloaded, the copy to the CPU queued right behind the cast), not a unit later
+                # through the queue, whose bookkeeping costs host time per unit on a host-bound GPU step
+                self.finish()
+            else:
+                u.schedule.pending_reductions.append(self)
+
+    @torch.no_grad()
+    def finish(self):
+        """Wait for the reduce-scatter and add its result into the sharded grads. Under HSDP, issue
+        the all-reduce across replicas instead: the end of backward waits for it."""
+        u = self.unit
+        self.finish_all_reduce()  # (a unit reduced twice in one backward: the first one's grads first)
+        work, _, output, params = self.in_flight
+        self.in_flight = None
+        with profiled(f"fsdp::reduce_scatter_wait {u.name}"):
+            work.wait()
+            ledger.log("reduce_scatter_wait", u.name)
+            if u.replicate_group is None:
+                self._into_sharded_grads(output, params)
+                return
+            if self.kept_sums is not None:
+                output, params = self._add_kept_sums(output, params)
+            if not u.requires_all_reduce:  # keep the replica-local sums for later
+                self.kept_sums = Collective(None, None, output, params)
+                return
+            ledger.log("all_reduce", u.name)
+            self.all_reduce = Collective(comm.all_reduce_mean(output, u.replicate_group), output, output, params)
+            u.schedule.pending_all_reduces.append(self)
+
+    def _add_kept_sums(self, output, params):
+        """This micro-step's replica-local sums plus those kept from micro-steps without all-reduce,
+        which may cover other parameters (a layer skipped in one of them) -> (sums, parameters)."""
+        kept, kept_params = self.kept_sums.output, self.kept_sums.params
+        self.kept_sums = None
+        if kept_params == params:
+            return output.add_(kept), params
+        union = [ps for ps in self.unit.params if ps in kept_params or ps in params]  # in the unit's order
+        starts, offset = {}, 0
+        for ps in union:
+            starts[ps], offset = offset, offset + ps.padded_numel
+        merged = torch.zeros(offset, dtype=output.dtype, device=output.device)
+        for sums, over in ((output, params), (kept, kept_params)):  # new + kept, as add_ above
+            offset = 0
+            for ps in over:
+                merged[starts[ps]:starts[ps] + ps.padded_numel] += sums[offset:offset + ps.padded_numel]
+                offset += ps.padded_numel
+        return merged, union
+
+    @torch.no_grad()
+    def finish_all_reduce(self):
+        """HSDP: wait for the all-reduce across replicas; its averages become the sharded grads."""
+        if self.all_reduce is None:
+            return
+        work, _, output, params = self.all_reduce
+        self.all_reduce = None
+        with profiled(f"fsdp::all_reduce_wait {self.unit.name}"):
+            work.wait()
+            ledger.log("all_reduce_wait", self.unit.name)
+            self._into_sharded_grads(output, params)
+
+    @torch.no_grad()
+    def all_reduce_kept_sums(self):
+        """HSDP, end of backward: sums kept with the all-reduce off, when the micro-step with it on
+        did not run this unit (so no reduce-scatter brought them along)."""
+        if self.kept_sums is not None and self.unit.requires_all_reduce:
+            _, _, output, params = self.kept_sums
+            self.kept_sums = None
+            comm.all_reduce_mean(output, self.unit.replicate_group).wait()
+            self._into_sharded_grads(output, params)
+
+    def _into_sharded_grads(self, output, params):
+        """Add the reduced flat `output` (over `params`) into the sharded grads."""
+        u = self.unit
+        if u.offload:
+            output = self._copy_out(output, adding=any(ps.sharded.grad is not None for ps in params))
+        else:
+            output = output.to(u.dtype)
+        # each grad one as_strided view (a slice and a view would be two ops, per parameter and step,
+        # on the host-bound path); it reads the storage itself, so the flat output must be contiguous
+        assert output.is_contiguous()
+        hooked = []
+        offset = output.storage_offset()
+        for ps in params:
+            local = output.as_strided(ps.local_shape, ps.stride, offset)
+            offset += ps.padded_numel
+            if ps.sharded.grad is None:
+                # DTensor.__new__ with the parameter's spec: from_local() would add an autograd node
+                # and a new spec per call, per parameter and step
+                ps.sharded.grad = DTensor.__new__(DTensor, local, ps.sharded._spec, requires_grad=False)
+            else:
+                ps.sharded.grad.to_local().add_(local)
+            if ps.sharded._post_accumulate_grad_hooks:
+                hooked.append(ps)
+        if hooked and u.offload:
+            self.wait_copy_out()  # (the hooks read the grads: an optimizer stepped in backward, say)
+        for ps in hooked:  # the sharded gradient is ready: as on a plain parameter, its hooks run
+            for hook in ps.sharded._post_accumulate_grad_hooks.values():
+                hook(ps.sharded)
+
+    def _copy_out(self, output, adding):
+        """Offload: the reduced grads into (pinned) CPU memory. Without grads there to add them to,
+        the copy runs on a stream of its own, beside the backward of the units still to come, and
+        wait_copy_out() ends it before anything reads them (FSDP2 too copies asynchronously only then)."""
+        u = self.unit
+        host = torch.empty(output.numel(), dtype=u.dtype, pin_memory=u.pin_memory)
+        copy_out = u.schedule.offload_streams[1]
+        copy_out.wait_stream(torch.cuda.current_stream())
+        if adding or not u.pin_memory:
+            # the grads it is added to may be an earlier copy of this backward's still in flight
+            # (a unit called twice): that one first, then a blocking copy, as the add reads it at once
+            # (on the copy-out stream: at one rank that stream wrote `output`)
+            self.wait_copy_out()
+            with torch.cuda.stream(copy_out):
+                return host.copy_(output)
+        with torch.cuda.stream(copy_out):
+            host.copy_(output, non_blocking=True)
+        # freed now, but not reused before the copy has read it (a no-op at one rank, where this
+        # stream allocated it and reuses it in its own order)
+        output.record_stream(copy_out)
+        self.copied_out = copy_out.record_event()  # (replacing an earlier one: the stream runs in order)
+        return host
+
+    def wait_copy_out(self):
+        """Block the host until the grads are in CPU memory (end of backward, reset)."""
+        if self.copied_out is not None:
+            self.copied_out.synchronize()
+            self.copied_out = None
+
+    def reset(self):
+        """After an exception: collectives in flight complete (the peers posted them too); their
+        results, kept sums and grads held for later are dropped."""
+        for pending in (self.in_flight, self.all_reduce):
+            if pending is not None:
+                pending.work.wait()
+        self.in_flight = self.all_reduce = self.kept_sums = None
+        self.wait_copy_out()
+        self.holds_unreduced = False
+        for ps in self.unit.params:
+            if ps.unsharded is not None:
+                ps.unsharded.take_grad()  # (dropped)
