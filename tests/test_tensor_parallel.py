@@ -29,8 +29,8 @@ def report(tmp_path_factory):
 
 @pytest.mark.parametrize("case", CASES)
 def test_fsdp_over_tp_trains_as_fsdp2(report, case):
-    """Each parameter sharded over dp as well as tp (fsdp_impl skipped DTensor parameters, which then
-    trained unsharded with their grads never reduced over dp; then refused them)."""
+    """Each parameter is sharded over dp as well as tp: a DTensor parameter left unsharded would train
+    with its grads never reduced over dp, and the parameters would drift apart across dp ranks."""
     r = report[case]
     for impl in ("ours", "fsdp2"):
         assert f"{impl}_error" not in r, f"{impl} raised in {case}:\n{r[f'{impl}_error']}"
