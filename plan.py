@@ -1,0 +1,411 @@
+"""
+Will it fit? Each rank's memory for a train.py run, planned on one CPU, before anything launches.
+
+    python plan.py config/train_gpt2.py --nproc=8,64
+    python plan.py config/train_gpt2.py --dist_backend=custom_fsdp --nproc=2,4 --json=plan.json
+
+It takes train.py's config files and --key=value settings, plus its own: --nproc (world sizes,
+comma-separated), --rank (default: rank 0, whose shards are the largest) and --json (one row per
+backend and world size). --dist_backend plans one backend; without it, all three.
+
+For each backend and world size W it runs the real code: the model built on the meta device and
+wrapped through backends.py as train.py wraps it, then two whole training steps as train.py runs
+them (every micro-step of this rank, clipping, the optimizer step, zero_grad), as rank r of W in
+this one process. The process group is fake (collectives move nothing) and so are the tensors
+(they hold no memory), but every shape, shard, padding, gathered buffer and activation is the
+real one. A dispatch mode counts each storage as the allocator would: allocated when an op makes
+it, resized when a storage is resized (FSDP's gathers), freed when the last tensor on it dies.
+
+The counts are CPU tensors', as on --device=cpu: the exact figures a CPU run allocates (the tests
+hold the plan to a real gloo run's allocator events). A GPU's reserved memory, CUDA's kernels and
+autocast are not modelled yet.
+"""
+import os
+import sys
+import time
+import weakref
+from contextlib import contextmanager, nullcontext
+
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
+from torch.utils._pytree import tree_flatten
+
+import configurator
+from backends import BACKENDS, BackendError, DDPBackend, make_backend
+from model import GPT, GPTConfig
+
+PLAN_FLAGS = {"nproc": "1,2,4,8", "rank": 0, "json": ""}  # plan.py's own settings, beside train.py's
+ROLES = ("parameters", "gradients", "optimizer_state", "gathered_parameters", "communication", "activations")
+
+
+def train_settings(argv):
+    """train.py's settings after its config files and overrides, with train.py's own defaults: the
+    block between the two rules at the top of train.py, run as train.py runs it."""
+    src = open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "train.py")).read()
+    rule = "\n# " + "-" * 77 + "\n"
+    first = src.index(rule)
+    defaults = {"torch": torch}
+    exec(src[first:src.index(rule, first + 1)], defaults)
+    return configurator.apply(defaults, argv)
+
+
+def split_argv(argv):
+    """(plan.py's own settings, the arguments for train.py's configurator)."""
+    own, rest = dict(PLAN_FLAGS), []
+    for arg in argv:
+        key = arg[2:].partition("=")[0] if arg.startswith("--") else None
+        if key in PLAN_FLAGS:
+            own[key] = arg.partition("=")[2]
+        else:
+            rest.append(arg)
+    try:
+        own["nproc"] = [int(w) for w in own["nproc"].split(",")]
+        own["rank"] = int(own["rank"])
+    except ValueError:
+        configurator.fail(f"--nproc takes world sizes such as 1,8,64 and --rank an int; got {own['nproc']!r}, "
+                          f"{own['rank']!r}")
+    if not all(1 <= w <= 1 << 20 for w in own["nproc"]):
+        configurator.fail(f"--nproc={','.join(map(str, own['nproc']))}: each world size must be at least 1")
+    return own, rest
+
+
+# ---- counting ---------------------------------------------------------------------------------
+class Allocations(TorchDispatchMode):
+    """Every storage allocation, resize and free under it, as the allocator sees them: an op's
+    output on a storage not seen before is an allocation of its bytes; a storage seen before whose
+    size changed (resize_) moves the count by the difference; a storage freed (weak reference
+    callback) leaves it. Views share their base's storage and cost nothing.
+
+    `where` names the moment (phase, micro-step, module) the caller sets; the peak records it and
+    the live storages then, which `roles` sorts into parameters, gradients, ..."""
+
+    def __init__(self):
+        super().__init__()
+        self.live = {}  # storage id -> [bytes, weakref]
+        self.allocated = self.peak = 0
+        self.where = "setup"
+        self.peak_where, self.peak_live = "setup", {}
+        self.after_peak = False  # a new peak not yet snapshotted (taken at the next free: cheaper)
+        self.roles = None  # () -> {storage id: role} of the storages the model and optimizer hold now
+        self.peak_roles = {}
+        self.steady = 0  # bytes between the two steps
+        self.comm = {}  # collective kind -> bytes this rank sends or receives through it
+        self.comm_storages = set()  # storage ids a collective read or wrote
+        self._orig_resize = None
+
+    def __enter__(self):
+        # a storage resized in place (FSDP2's and fsdp_impl's free and refill of gathered
+        # parameters) goes through no op: wrap the method for the duration
+        self._orig_resize = torch.UntypedStorage.resize_
+        counter = self
+
+        def resize_(storage, nbytes):
+            out = counter._orig_resize(storage, nbytes)
+            counter._seen(storage)
+            return out
+        torch.UntypedStorage.resize_ = resize_
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        torch.UntypedStorage.resize_ = self._orig_resize
+        return super().__exit__(*exc)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.namespace == "c10d":
+            self._collective(func, args)
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                for inner in plain_tensors(t):
+                    self._seen(inner.untyped_storage())
+        return out
+
+    def _seen(self, storage):
+        key, nbytes = storage._cdata, storage.nbytes()
+        entry = self.live.get(key)
+        if entry is None:
+            if nbytes == 0:
+                return
+            self.live[key] = [nbytes, weakref.ref(storage, lambda _, key=key: self._freed(key))]
+            self._change(nbytes)
+        elif entry[0] != nbytes:
+            self._change(nbytes - entry[0])
+            entry[0] = nbytes
+
+    def _freed(self, key):
+        entry = self.live.pop(key, None)
+        self.comm_storages.discard(key)
+        if entry is not None:
+            self._change(-entry[0])
+
+    def _change(self, delta):
+        if delta < 0:
+            self.snapshot_if_at_peak()
+        self.allocated += delta
+        if self.allocated > self.peak:
+            self.peak, self.peak_where, self.after_peak = self.allocated, self.where, True
+
+    def snapshot_if_at_peak(self):
+        """Record what is live at the peak just reached (called before the first free after it)."""
+        if self.after_peak:
+            self.after_peak = False
+            self.peak_live = {k: v[0] for k, v in self.live.items()}
+            self.peak_roles = self.roles() if self.roles else {}
+
+    def _collective(self, func, args):
+        """Bytes through each collective (the larger of its input and output: what a rank sends or
+        receives), and the storages it touched, which count as communication buffers."""
+        tensors = [t for t in tree_flatten(args)[0] if isinstance(t, torch.Tensor)]
+        if not tensors:
+            return
+        name = func.__name__.split(".")[0].strip("_")
+        kind = ("all_gather" if "allgather" in name else "reduce_scatter" if "reduce_scatter" in name
+                else "all_reduce" if "allreduce" in name else name)
+        big = max(tensors, key=lambda t: t.numel() * t.element_size())
+        self.comm[kind] = self.comm.get(kind, 0) + big.numel() * big.element_size()
+        self.comm_storages.update(t.untyped_storage()._cdata for t in tensors)
+
+
+def plain_tensors(t):
+    """The tensors holding `t`'s memory: itself, or a wrapper's inner tensors (a DTensor's local
+    tensor), whose storage the wrapper's own only mirrors in size."""
+    if not is_traceable_wrapper_subclass(t):
+        return [t]
+    inner = (getattr(t, attr) for attr in t.__tensor_flatten__()[0])
+    return [x for t in inner if isinstance(t, torch.Tensor) for x in plain_tensors(t)]
+
+
+def storage_id(t):
+    if hasattr(t, "_local_tensor"):  # a DTensor: its local tensor's storage
+        t = t._local_tensor
+    return t.untyped_storage()._cdata
+
+
+def roles(model, optimizer, comm_storages):
+    """Storage id -> role, for the storages the model and optimizer hold now. A parameter registered
+    in a module but not held by the optimizer is a gathered (unsharded) one."""
+    role = {}
+    held = {p for group in optimizer.param_groups for p in group["params"]}
+    for p in held:
+        role.setdefault(storage_id(p), "parameters")
+        if p.grad is not None:
+            role.setdefault(storage_id(p.grad), "gradients")
+    for state in optimizer.state.values():
+        for v in state.values():
+            if isinstance(v, torch.Tensor):
+                role.setdefault(storage_id(v), "optimizer_state")
+    for m in model.modules():
+        for p in m._parameters.values():
+            if p is not None and p not in held:
+                role.setdefault(storage_id(p), "gathered_parameters")
+                if p.grad is not None:
+                    role.setdefault(storage_id(p.grad), "gradients")
+    for key in comm_storages:
+        role.setdefault(key, "communication")
+    return role
+
+
+# ---- the step ----------------------------------------------------------------------------------
+def train_step(settings, back, model, optimizer, local_steps, batch, mark=lambda where: None):
+    """One optimizer step as train.py's loop takes it (its metrics and clock left out)."""
+    loss_sum = torch.zeros((), device=settings["device"])
+    for micro_step in range(local_steps):
+        X, Y = batch()
+        back.set_grad_sync(model, micro_step == local_steps - 1)
+        mark(f"forward {micro_step}")
+        with back.autocast():
+            loss = model(X, Y)[1] / local_steps
+        mark(f"backward {micro_step}")
+        back.backward(loss)
+        loss_sum += loss.detach()
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(loss_sum)
+    mark("clip")
+    back.clip_grad_norm(optimizer, settings["grad_clip"])
+    mark("optimizer")
+    back.step(optimizer)
+    mark("zero_grad")
+    optimizer.zero_grad(set_to_none=True)
+    mark("between steps")
+
+
+def per_rank_micro_steps(settings, world):
+    """This rank's micro-steps per optimizer step; a W that does not divide the global count is
+    planned with one (memory per rank depends on the micro-batch, not on how many)."""
+    accum = settings["gradient_accumulation_steps"]
+    return accum // world if accum % world == 0 else 1
+
+
+def random_batch(settings):
+    def batch():
+        shape = (settings["batch_size"], settings["block_size"])
+        return (torch.randint(settings["vocab_size"], shape, device=settings["device"]),
+                torch.randint(settings["vocab_size"], shape, device=settings["device"]))
+    return batch
+
+
+@contextmanager
+def fake_process_group(world, rank):
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def block_marks(model, counter):
+    """Name the module at work: a block's forward, and its backward (when its output's grad comes)."""
+    gpt = getattr(model, "module", model)
+    for i, block in enumerate(gpt.transformer.h):
+        def entered(module, args, i=i):
+            counter.where = f"{counter.where.split(' @ ')[0]} @ h.{i}"
+
+        def left(module, args, output, i=i):
+            if output.requires_grad:
+                output.register_hook(lambda grad, i=i: setattr(counter, "where", f"{counter.where.split(' @ ')[0]} @ h.{i}"))
+        block.register_forward_pre_hook(entered)
+        block.register_forward_hook(left)
+
+
+def run(settings, backend_name, world, rank, fake=True, measured=nullcontext):
+    """Build the model and take two training steps as rank `rank` of `world`, under a fake process
+    group, counting storages from the model's creation on. With fake=False the tensors are real, and
+    `measured()` (the tests' profiler) is entered where the counting starts. Returns the counter,
+    this rank's state bytes and its micro-steps per step."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    settings = dict(settings, device="cpu")
+    local_steps = per_rank_micro_steps(settings, world)
+    counter = Allocations()
+    with fake_process_group(world, rank):
+        back = make_backend(backend_name, settings)  # (its mesh outside the fake mode: meshes read values)
+        with measured(), FakeTensorMode(allow_non_fake_inputs=True) if fake else nullcontext(), counter:
+            state = steps(counter, settings, back, local_steps, fake)
+    return counter, state, local_steps
+
+
+def steps(counter, settings, back, local_steps, fake):
+    back, model, optimizer = build_with(back, settings, plain_ddp=fake)
+    counter.roles = lambda: roles(model, optimizer, counter.comm_storages)
+    block_marks(model, counter)
+    for step in range(2):
+        def mark(where, step=step):
+            counter.snapshot_if_at_peak()
+            counter.where = f"step {step + 1} {where}"
+        if step == 1:
+            counter.comm = {}  # communication per step: the second step's
+        train_step(settings, back, model, optimizer, local_steps, random_batch(settings), mark)
+        if step == 0:
+            counter.steady = counter.allocated
+    counter.snapshot_if_at_peak()
+    counter.roles = None
+    return state_bytes(optimizer)
+
+
+def plan(settings, backend_name, world, rank):
+    """One backend at W ranks, as rank `rank`: the row plan.py reports."""
+    started = time.time()
+    counter, state, local_steps = run(settings, backend_name, world, rank)
+    made_of = dict.fromkeys(ROLES, 0)
+    for key, nbytes in counter.peak_live.items():
+        made_of[counter.peak_roles.get(key, "activations")] += nbytes
+    return {"backend": backend_name, "nproc": world, "rank": rank, "micro_steps": local_steps,
+            "peak_allocated_bytes": counter.peak, "peak_at": counter.peak_where, "peak_made_of": made_of,
+            "steady_bytes": counter.steady, "state_bytes": state, "comm_bytes_per_step": counter.comm,
+            "seconds": round(time.time() - started, 2)}
+
+
+def build_with(back, settings, plain_ddp=False):
+    """The model and optimizer as train.py builds them: on the meta device, then wrapped (sharded,
+    materialized) through backends.py. plain_ddp: DDP's model without its C++ reducer, which reads
+    tensor data (fake tensors have none); the reducer's buckets are added as bytes of their own."""
+    if plain_ddp and backend_name_of(back) == "ddp" and back.world_size > 1:
+        back.world_size = 1  # (the plain model: what DDP wraps)
+        back, model, optimizer = build_with(back, settings)
+        ddp_buckets(model)
+        back.world_size = dist.get_world_size()
+        return back, model, optimizer
+    args = {k: settings[k] for k in ("n_layer", "n_head", "n_embd", "block_size", "bias", "dropout",
+                                     "activation_checkpointing")}
+    with torch.device("meta"):
+        model = GPT(GPTConfig(**args, vocab_size=settings["vocab_size"]))
+    model = back.wrap(model, lambda m: m.init_weights(settings["seed"]))
+    optimizer = back.unwrap(model).configure_optimizers(
+        settings["weight_decay"], settings["learning_rate"], (settings["beta1"], settings["beta2"]),
+        back.optimizer_class)
+    return back, model, optimizer
+
+
+def backend_name_of(back):
+    return "ddp" if isinstance(back, DDPBackend) else "fsdp"
+
+
+def ddp_buckets(model):
+    """DDP's gradient buckets, held for the model's life: one flat tensor per bucket, in DDP's own
+    assignment of the trainable parameters (their reverse order, capped as DDP caps them)."""
+    params = [p for p in model.parameters() if p.requires_grad][::-1]
+    limits = [dist._DEFAULT_FIRST_BUCKET_BYTES, 25 * 2**20]
+    buckets, _ = dist._compute_bucket_assignment_by_size(params, limits, [False] * len(params))
+    model._planned_ddp_buckets = [torch.empty(sum(params[i].numel() for i in b), dtype=params[b[0]].dtype)
+                                  for b in buckets]
+
+
+def state_bytes(optimizer):
+    """Bytes of this rank's parameters, gradients and optimizer state (each storage once)."""
+    sizes = {}
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            for t in (p, p.grad, *optimizer.state.get(p, {}).values()):
+                if isinstance(t, torch.Tensor):
+                    local = getattr(t, "_local_tensor", t)
+                    sizes[local.untyped_storage()._cdata] = local.untyped_storage().nbytes()
+    return sum(sizes.values())
+
+
+def vocab_size(settings):
+    """The vocabulary train.py would build: the data's meta.pkl if there is one, else GPT-2's BPE
+    padded to 50304."""
+    path = os.path.join(settings["data_dir"] or os.path.join("data", settings["dataset"]), "meta.pkl")
+    if os.path.exists(path):
+        import pickle
+        with open(path, "rb") as f:
+            vocab = pickle.load(f)["vocab_size"]
+        return vocab if vocab != 50257 else 50304
+    return 50304
+
+
+def main(argv):
+    own, rest = split_argv(argv)
+    given_backend = any(a.startswith("--dist_backend=") for a in rest)
+    settings = train_settings(rest)
+    settings["vocab_size"] = vocab_size(settings)
+    backends = [settings["dist_backend"]] if given_backend else list(BACKENDS)
+    rows = []
+    for backend_name in backends:
+        for world in own["nproc"]:
+            rank = own["rank"] if own["rank"] < world else 0
+            print(f"planning {backend_name} at W={world}, rank {rank}", file=sys.stderr, flush=True)
+            try:
+                rows.append(plan(settings, backend_name, world, rank))
+            except BackendError as e:
+                configurator.fail(str(e))
+    print(table(rows))
+    if own["json"]:
+        import json
+        with open(own["json"], "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+def table(rows):
+    def gib(n):
+        return f"{n / 2**30:,.2f}"
+    lines = [f"{'backend':<12} {'W':>5} {'rank':>5} {'peak GiB':>9} {'state GiB':>9}  peak at"]
+    for r in rows:
+        lines.append(f"{r['backend']:<12} {r['nproc']:>5} {r['rank']:>5} {gib(r['peak_allocated_bytes']):>9} "
+                     f"{gib(r['state_bytes']):>9}  {r['peak_at']}")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
