@@ -92,7 +92,7 @@ class Allocations(TorchDispatchMode):
         self.steady = 0  # bytes between the two steps
         self.comm = {}  # collective kind -> bytes this rank sends or receives through it
         self.comm_storages = set()  # storage ids a collective read or wrote
-        self._orig_resize = None
+        self._orig_resize = self._orig_rng_state = None
 
     def __enter__(self):
         # a storage resized in place (FSDP2's and fsdp_impl's free and refill of gathered
@@ -102,33 +102,53 @@ class Allocations(TorchDispatchMode):
 
         def resize_(storage, nbytes):
             out = counter._orig_resize(storage, nbytes)
-            counter._seen(storage)
+            counter._seen(storage, new=False)
             return out
         torch.UntypedStorage.resize_ = resize_
+        # the generator state activation checkpointing keeps per block is made by no op either
+        self._orig_rng_state = torch.get_rng_state
+
+        def get_rng_state():
+            state = counter._orig_rng_state()
+            counter._seen(state.untyped_storage())
+            return state
+        torch.get_rng_state = get_rng_state
         return super().__enter__()
 
     def __exit__(self, *exc):
         torch.UntypedStorage.resize_ = self._orig_resize
+        torch.get_rng_state = self._orig_rng_state
         return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         if func.namespace == "c10d":
             self._collective(func, args)
+        inputs = None
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor):
                 for inner in plain_tensors(t):
-                    self._seen(inner.untyped_storage())
+                    if inner.is_meta:  # (the model's meta tensors have a size, but no memory)
+                        continue
+                    storage = inner.untyped_storage()
+                    if storage._cdata not in self.live:  # a view of an input is no allocation,
+                        if inputs is None:  # even of one made before the counting began
+                            inputs = {x.untyped_storage()._cdata for a in tree_flatten((args, kwargs))[0]
+                                      if isinstance(a, torch.Tensor) for x in plain_tensors(a) if not x.is_meta}
+                        if storage._cdata in inputs:
+                            continue
+                    self._seen(storage)
         return out
 
-    def _seen(self, storage):
+    def _seen(self, storage, new=True):
+        """A storage an op returned (new=True) or one resized in place (new=False: only a storage
+        already known counts; a meta tensor's is not)."""
         key, nbytes = storage._cdata, storage.nbytes()
         entry = self.live.get(key)
         if entry is None:
-            if nbytes == 0:
-                return
-            self.live[key] = [nbytes, weakref.ref(storage, lambda _, key=key: self._freed(key))]
-            self._change(nbytes)
+            if new:  # (also when empty: FSDP makes its gathered buffers empty, then resizes them)
+                self.live[key] = [nbytes, weakref.ref(storage, lambda _, key=key: self._freed(key))]
+                self._change(nbytes)
         elif entry[0] != nbytes:
             self._change(nbytes - entry[0])
             entry[0] = nbytes
@@ -269,24 +289,26 @@ def block_marks(model, counter):
         block.register_forward_hook(left)
 
 
-def run(settings, backend_name, world, rank, fake=True, measured=nullcontext):
+def run(settings, backend_name, world, rank, fake=True, measured=nullcontext, group=None):
     """Build the model and take two training steps as rank `rank` of `world`, under a fake process
     group, counting storages from the model's creation on. With fake=False the tensors are real, and
     `measured()` (the tests' profiler) is entered where the counting starts. Returns the counter,
-    this rank's state bytes and its micro-steps per step."""
+    this rank's state bytes and its micro-steps per step. `group(world, rank)`: the process group
+    to run in (PyTorch's fake one by default)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     settings = dict(settings, device="cpu")
     local_steps = per_rank_micro_steps(settings, world)
     counter = Allocations()
-    with fake_process_group(world, rank):
+    with (group or fake_process_group)(world, rank):
         back = make_backend(backend_name, settings)  # (its mesh outside the fake mode: meshes read values)
+        model = meta_model(settings)
         with measured(), FakeTensorMode(allow_non_fake_inputs=True) if fake else nullcontext(), counter:
-            state = steps(counter, settings, back, local_steps, fake)
+            state = steps(counter, settings, back, model, local_steps, fake)
     return counter, state, local_steps
 
 
-def steps(counter, settings, back, local_steps, fake):
-    back, model, optimizer = build_with(back, settings, plain_ddp=fake)
+def steps(counter, settings, back, model, local_steps, fake):
+    back, model, optimizer = build_with(back, model, settings, plain_ddp=fake)
     counter.roles = lambda: roles(model, optimizer, counter.comm_storages)
     block_marks(model, counter)
     for step in range(2):
@@ -303,6 +325,32 @@ def steps(counter, settings, back, local_steps, fake):
     return state_bytes(optimizer)
 
 
+def in_child(fn, *args):
+    """fn(*args) in a forked child, its result (or its exception) sent back. Each rank is planned
+    in a process of its own: DTensor caches sharding results by mesh, and meshes of different ranks
+    compare equal, so a second rank in one process would get the first rank's local shapes."""
+    import pickle
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child
+        os.close(read_end)
+        try:
+            result = (True, fn(*args))
+        except BaseException as e:  # (SystemExit of a refusal too: the parent raises it again)
+            result = (False, e)
+        with os.fdopen(write_end, "wb") as f:
+            pickle.dump(result, f)
+        os._exit(0)
+    os.close(write_end)
+    with os.fdopen(read_end, "rb") as f:
+        data = f.read()
+    os.waitpid(pid, 0)
+    ok, value = pickle.loads(data)
+    if not ok:
+        raise value
+    return value
+
+
 def plan(settings, backend_name, world, rank):
     """One backend at W ranks, as rank `rank`: the row plan.py reports."""
     started = time.time()
@@ -316,20 +364,25 @@ def plan(settings, backend_name, world, rank):
             "seconds": round(time.time() - started, 2)}
 
 
-def build_with(back, settings, plain_ddp=False):
-    """The model and optimizer as train.py builds them: on the meta device, then wrapped (sharded,
-    materialized) through backends.py. plain_ddp: DDP's model without its C++ reducer, which reads
-    tensor data (fake tensors have none); the reducer's buckets are added as bytes of their own."""
-    if plain_ddp and backend_name_of(back) == "ddp" and back.world_size > 1:
-        back.world_size = 1  # (the plain model: what DDP wraps)
-        back, model, optimizer = build_with(back, settings)
-        ddp_buckets(model)
-        back.world_size = dist.get_world_size()
-        return back, model, optimizer
+def meta_model(settings):
+    """The GPT on the meta device, as train.py makes it (outside the fake mode: plain meta tensors,
+    which take no memory and which to_empty() replaces)."""
     args = {k: settings[k] for k in ("n_layer", "n_head", "n_embd", "block_size", "bias", "dropout",
                                      "activation_checkpointing")}
     with torch.device("meta"):
-        model = GPT(GPTConfig(**args, vocab_size=settings["vocab_size"]))
+        return GPT(GPTConfig(**args, vocab_size=settings["vocab_size"]))
+
+
+def build_with(back, model, settings, plain_ddp=False):
+    """The model wrapped (sharded, materialized) through backends.py and its optimizer, as train.py
+    builds them. plain_ddp: DDP's model without its C++ reducer, which reads tensor data (fake
+    tensors have none); the reducer's buckets are added as bytes of their own."""
+    if plain_ddp and backend_name_of(back) == "ddp" and back.world_size > 1:
+        back.world_size = 1  # (the plain model: what DDP wraps)
+        back, model, optimizer = build_with(back, model, settings)
+        ddp_buckets(model)
+        back.world_size = dist.get_world_size()
+        return back, model, optimizer
     model = back.wrap(model, lambda m: m.init_weights(settings["seed"]))
     optimizer = back.unwrap(model).configure_optimizers(
         settings["weight_decay"], settings["learning_rate"], (settings["beta1"], settings["beta2"]),
@@ -387,7 +440,7 @@ def main(argv):
             rank = own["rank"] if own["rank"] < world else 0
             print(f"planning {backend_name} at W={world}, rank {rank}", file=sys.stderr, flush=True)
             try:
-                rows.append(plan(settings, backend_name, world, rank))
+                rows.append(in_child(plan, settings, backend_name, world, rank))
             except BackendError as e:
                 configurator.fail(str(e))
     print(table(rows))

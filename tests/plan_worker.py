@@ -5,40 +5,110 @@ plan.py's training steps for real, measured by the allocator's own events, for t
 
 CASES.json lists [backend, world size, rank, [--key=value ...]]. For each case this process runs
 plan.run() twice: once with fake tensors (the plan), once with real ones under torch.profiler with
-profile_memory=True. Both use the fake process group, whose collectives complete at once on this
-thread, so every free happens where the program drops its tensor (the collectives' own buffers,
-gloo's or NCCL's, are not the program's: test_plan.py checks a gloo run apart). The measured peak is
-the running sum of the allocation and free events' bytes, in time order.
+profile_memory=True. Both run as one rank of W in this process, in a process group whose
+collectives complete at once on this thread (PyTorch's fake group; for DDP, whose reducer wants a
+result, a silent one of our own). So every free happens where the program drops its tensor; the
+collectives' own buffers (gloo's, NCCL's) are not the program's. The measured peak is the running
+sum of the allocation and free events' bytes, in time order.
 """
+import gc
 import json
 import sys
 import traceback
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import _create_work_from_future
+from torch.futures import Future
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import plan  # noqa: E402
 
 
+def done(result):
+    future = Future()
+    future.set_result(result)
+    return _create_work_from_future(future)
+
+
+class SilentGroup(dist.ProcessGroup):
+    """Collectives that complete at once, on this thread, as if every rank held this rank's
+    tensors: nothing allocated, nothing freed elsewhere. (PyTorch's fake group leaves DDP's
+    reducer without the result it expects.)"""
+
+    def allreduce(self, tensors, opts=None):
+        return done(tensors)
+
+    def allreduce_coalesced(self, tensors, opts=None):
+        return done(tensors)
+
+    def broadcast(self, tensors, opts=None):
+        return done(tensors)
+
+    def allgather(self, outputs, inputs, opts=None):
+        for outs, tensor in zip(outputs, inputs):
+            for out in outs:
+                out.copy_(tensor)
+        return done(outputs)
+
+    def _allgather_base(self, output, tensor, opts=None):
+        for out in output.chunk(self.size()):
+            out.copy_(tensor.view_as(out))
+        return done([output])
+
+    def reduce_scatter(self, outputs, inputs, opts=None):
+        return done(outputs)
+
+    def _reduce_scatter_base(self, output, tensor, opts=None):
+        return done([output])
+
+    def barrier(self, opts=None):
+        return done([])
+
+    def getBackendName(self):
+        return "silent"
+
+
+dist.Backend.register_backend("silent", lambda store, rank, size, timeout: SilentGroup(rank, size), devices=["cpu"])
+
+
+@contextmanager
+def silent_group(world, rank):
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    dist.init_process_group("silent", store=FakeStore(), rank=rank, world_size=world)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
 def measured_peak(prof):
-    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
-                    if e.name() == "[memory]")
-    allocated = peak = 0
-    for _, nbytes in events:
-        allocated += nbytes
-        peak = max(peak, allocated)
-    return peak, allocated
+    """The CPU allocator's own running total, reported with each allocation and free while the
+    profiler ran (kept under its lock, so in the true order): its largest rise over where it stood
+    when profiling began (it keeps counting across profiling sessions)."""
+    events, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        event = stack.pop()
+        if event.name == "[memory]":
+            events.append(event)
+        stack.extend(event.children)
+    first = min(events, key=lambda e: e.start_time_ns)
+    start = first.extra_fields.total_allocated - first.extra_fields.alloc_size
+    return max(e.extra_fields.total_allocated for e in events) - start
 
 
 def case(backend, world, rank, argv):
     settings = plan.train_settings(argv)
     settings["vocab_size"] = plan.vocab_size(settings)
     planned, planned_state, _ = plan.run(settings, backend, world, rank)
+    gc.collect()  # (an earlier case's tensors freed inside this one's window would lower its count)
     prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
-    counted, state, _ = plan.run(settings, backend, world, rank, fake=False, measured=lambda: prof)
-    peak, left = measured_peak(prof)
+    counted, state, _ = plan.run(settings, backend, world, rank, fake=False, measured=lambda: prof,
+                                 group=silent_group if backend == "ddp" else None)
+    peak = measured_peak(prof)
     return {"planned_peak": planned.peak, "planned_state": planned_state, "planned_where": planned.peak_where,
             "counted_real_peak": counted.peak, "measured_peak": peak, "measured_state": state}
 
@@ -50,7 +120,7 @@ def main():
     for backend, world, rank, argv in cases:
         key = " ".join([backend, f"W={world}", f"rank={rank}", *argv])
         try:
-            results[key] = case(backend, world, rank, argv)
+            results[key] = plan.in_child(case, backend, world, rank, argv)
         except Exception:
             results[key] = {"error": traceback.format_exc()}
     out_path.write_text(json.dumps(results, indent=1))
