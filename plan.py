@@ -154,6 +154,7 @@ class Allocations(TorchDispatchMode):
             entry[0] = nbytes
 
     def _freed(self, key):
+        self.snapshot_if_at_peak()  # (while the storage still counts among the live ones)
         entry = self.live.pop(key, None)
         self.comm_storages.discard(key)
         if entry is not None:

@@ -1,0 +1,107 @@
+"""
+plan.py against the allocator: each case's planned peak (fake tensors, nothing allocated) equals
+the peak the CPU allocator reports for the same steps run with real tensors (tests/plan_worker.py),
+for the three backends at W = 1, 2 and 4 and under ZeRO-2, activation checkpointing, HSDP 2x2, a
+unit per block and a world size that leaves ranks with empty shards. Also the per-rank state,
+the largest rank, and plan.py's own refusals and output.
+
+The real runs use a process group whose collectives complete at once on the calling thread. Under
+gloo the peak also holds gloo's own copies of what it reduces, freed on gloo's threads at times of
+their own: not the program's memory, and not a GPU allocator's, where NCCL keeps its buffers apart.
+"""
+import json
+
+import pytest
+
+from conftest import REPO, launch, one_error_line
+
+WORKER = REPO / "tests" / "plan_worker.py"
+MODEL = ["--n_layer=3", "--n_embd=64", "--n_head=4", "--batch_size=4", "--block_size=32"]
+# (backend, world size, rank, settings); the default accumulates 4 micro-batches over the ranks
+CASES = [(backend, world, 0, []) for backend in ("custom_fsdp", "fsdp", "ddp") for world in (1, 2, 4)] + [
+    (backend, 2, 1, knob) for backend in ("custom_fsdp", "fsdp")
+    for knob in (["--reshard_after_forward=False"], ["--activation_checkpointing=True"], ["--wrap_policy=block"])] + [
+    ("ddp", 2, 1, ["--activation_checkpointing=True"]),
+    ("custom_fsdp", 4, 3, ["--replicate_degree=2"]), ("fsdp", 4, 3, ["--replicate_degree=2"]),
+    # 64 rows over 48 ranks: ranks 32 to 47 hold nothing of most parameters
+    ("custom_fsdp", 48, 0, ["--wrap_policy=block"]), ("custom_fsdp", 48, 47, ["--wrap_policy=block"]),
+    ("fsdp", 48, 47, ["--wrap_policy=block"]),
+    ("custom_fsdp", 2, 0, ["--dtype=bfloat16"]), ("ddp", 2, 0, ["--dtype=bfloat16"])]
+# CPU attention's backward in bfloat16 allocates float32 scratch of its own inside the kernel,
+# where no dispatch mode sees it: the plan misses it, a little under 1% here
+WITHIN = {("custom_fsdp", 2, 0, "--dtype=bfloat16"): 0.01, ("ddp", 2, 0, "--dtype=bfloat16"): 0.01}
+
+
+def key(backend, world, rank, knob):
+    return " ".join([backend, f"W={world}", f"rank={rank}", *MODEL, "--data_dir=DATA", *knob])
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    """A data folder that only names a vocabulary of 65 tokens (meta.pkl): the plan reads no data."""
+    import pickle
+    folder = tmp_path_factory.mktemp("plan_data")
+    with open(folder / "meta.pkl", "wb") as f:
+        pickle.dump({"vocab_size": 65}, f)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory, data):
+    tmp = tmp_path_factory.mktemp("plan")
+    cases = [[b, w, r, MODEL + [f"--data_dir={data}"] + knob] for b, w, r, knob in CASES]
+    (tmp / "cases.json").write_text(json.dumps(cases))
+    res = launch(["python", WORKER, tmp / "cases.json", tmp / "out.json"], timeout=300)
+    assert res.returncode == 0, res.describe()
+    out = json.loads((tmp / "out.json").read_text())
+    return {k.replace(str(data), "DATA"): v for k, v in out.items()}
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: " ".join(map(str, c[:3])) + " " + " ".join(c[3]))
+def test_planned_peak_is_the_allocators(report, case):
+    r = report[key(*case)]
+    assert "error" not in r, r["error"]
+    tolerance = WITHIN.get((*case[:3], *case[3]), 0)
+    assert abs(r["planned_peak"] - r["measured_peak"]) <= tolerance * r["measured_peak"], r
+    if tolerance:  # the cause named above: what the plan misses, the kernel's scratch, is below
+        assert r["planned_peak"] <= r["measured_peak"], r
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: " ".join(map(str, c[:3])) + " " + " ".join(c[3]))
+def test_planned_state_is_what_the_rank_holds(report, case):
+    """Parameters, gradients and optimizer state as this rank of the real run holds them (empty
+    shards included)."""
+    r = report[key(*case)]
+    assert "error" not in r, r["error"]
+    assert r["planned_state"] == r["measured_state"], r
+
+
+def test_rank_0_holds_the_largest_shards(report):
+    """plan.py reports rank 0 by default: torch.chunk's split gives the earlier ranks the rows."""
+    first, last = (report[key("custom_fsdp", 48, rank, ["--wrap_policy=block"])] for rank in (0, 47))
+    assert first["planned_state"] > last["planned_state"] and first["planned_peak"] > last["planned_peak"]
+
+
+def test_sharding_divides_the_state(report):
+    states = {w: report[key("custom_fsdp", w, 0, [])]["planned_state"] for w in (1, 2, 4)}
+    assert states[1] > states[2] > states[4] >= states[1] / 4
+
+
+def test_plan_prints_a_table_and_writes_json(tmp_path, data):
+    out = tmp_path / "plan.json"
+    res = launch(["python", REPO / "plan.py", "--dist_backend=custom_fsdp", "--nproc=1,2", *MODEL,
+                  f"--data_dir={data}", f"--json={out}"], timeout=120)
+    assert res.returncode == 0, res.describe()
+    rows = json.loads(out.read_text())
+    assert [(r["backend"], r["nproc"], r["rank"]) for r in rows] == [("custom_fsdp", 1, 0), ("custom_fsdp", 2, 0)]
+    for r in rows:
+        assert r["peak_allocated_bytes"] >= r["state_bytes"] > 0
+        assert sum(r["peak_made_of"].values()) == r["peak_allocated_bytes"]
+    assert "custom_fsdp" in res.stdout and "planning custom_fsdp at W=2" in res.stderr
+
+
+@pytest.mark.parametrize("args,names", [(["--nproc=2,x"], "--nproc"), (["--nproc=0"], "--nproc"),
+                                        (["--n_layers=3"], "n_layers"), (["--dist_backend=zero"], "zero")])
+def test_bad_input_is_one_line(args, names):
+    res = launch(["python", REPO / "plan.py", *args], timeout=60)
+    assert names in one_error_line(res)
