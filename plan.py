@@ -35,7 +35,7 @@ import configurator
 from backends import BACKENDS, BackendError, DDPBackend, make_backend
 from model import GPT, GPTConfig
 
-PLAN_FLAGS = {"nproc": "1,2,4,8", "rank": 0, "json": ""}  # plan.py's own settings, beside train.py's
+PLAN_FLAGS = {"nproc": "1,2,4,8", "rank": 0, "json": "", "gpu": "", "gpu_mem_gib": ""}  # plan.py's own settings, beside train.py's
 ROLES = ("parameters", "gradients", "optimizer_state", "gathered_parameters", "communication", "activations")
 
 
@@ -65,6 +65,12 @@ def split_argv(argv):
     except ValueError:
         configurator.fail(f"--nproc takes world sizes such as 1,8,64 and --rank an int; got {own['nproc']!r}, "
                           f"{own['rank']!r}")
+    if own["gpu_mem_gib"]:
+        try:
+            if float(own["gpu_mem_gib"]) <= 0:
+                raise ValueError
+        except ValueError:
+            configurator.fail(f"--gpu_mem_gib={own['gpu_mem_gib']}: give the GPU's memory in GiB, such as 80")
     if not all(1 <= w <= 1 << 20 for w in own["nproc"]):
         configurator.fail(f"--nproc={','.join(map(str, own['nproc']))}: each world size must be at least 1")
     return own, rest
@@ -312,10 +318,13 @@ def steps(counter, settings, back, model, local_steps, fake):
     back, model, optimizer = build_with(back, model, settings, plain_ddp=fake)
     counter.roles = lambda: roles(model, optimizer, counter.comm_storages)
     block_marks(model, counter)
+    state = []
     for step in range(2):
         def mark(where, step=step):
             counter.snapshot_if_at_peak()
             counter.where = f"step {step + 1} {where}"
+            if step == 1 and where == "zero_grad":  # the gradients are still there
+                state.append(state_bytes(optimizer))
         if step == 1:
             counter.comm = {}  # communication per step: the second step's
         train_step(settings, back, model, optimizer, local_steps, random_batch(settings), mark)
@@ -323,7 +332,7 @@ def steps(counter, settings, back, model, local_steps, fake):
             counter.steady = counter.allocated
     counter.snapshot_if_at_peak()
     counter.roles = None
-    return state_bytes(optimizer)
+    return state[0]
 
 
 def in_child(fn, *args):
@@ -406,7 +415,8 @@ def ddp_buckets(model):
 
 
 def state_bytes(optimizer):
-    """Bytes of this rank's parameters, gradients and optimizer state (each storage once)."""
+    """Bytes of this rank's parameters, gradients and optimizer state (each storage once), taken
+    after the optimizer step, before zero_grad: ZeRO's model states."""
     sizes = {}
     for group in optimizer.param_groups:
         for p in group["params"]:
@@ -429,10 +439,43 @@ def vocab_size(settings):
     return 50304
 
 
+GPUS = {"a100": 81_920, "h100": 81_559, "h200": 143_771}  # MiB, as nvidia-smi reports the 80 GB and 141 GB parts
+
+
+def gpu_bytes(own):
+    """The GPU memory to fit in, from --gpu_mem_gib or --gpu (None: no question asked)."""
+    if own["gpu"]:
+        if own["gpu"].lower() not in GPUS:
+            configurator.fail(f"unknown --gpu={own['gpu']} (choose one of {', '.join(GPUS)}, or give --gpu_mem_gib)")
+        return GPUS[own["gpu"].lower()] * 2**20
+    return int(float(own["gpu_mem_gib"]) * 2**30) if own["gpu_mem_gib"] else None
+
+
+def largest_batch(settings, backend_name, world, rank, row, limit):
+    """The largest batch_size whose planned peak fits in `limit` bytes: activations grow linearly
+    with the batch, so two plans give the line; a third checks its answer (and steps down if the
+    peak's phase moved)."""
+    batch = settings["batch_size"]
+    other = batch + 1 if batch == 1 else batch // 2
+    peak_other = in_child(plan, dict(settings, batch_size=other), backend_name, world, rank)["peak_allocated_bytes"]
+    per_sample = (row["peak_allocated_bytes"] - peak_other) / (batch - other)
+    fixed = row["peak_allocated_bytes"] - per_sample * batch
+    guess = int((limit - fixed) // per_sample) if per_sample > 0 else batch
+    while guess > 0:
+        if in_child(plan, dict(settings, batch_size=guess), backend_name, world, rank)["peak_allocated_bytes"] <= limit:
+            return guess
+        guess -= 1
+    return 0
+
+
 def main(argv):
     own, rest = split_argv(argv)
+    limit = gpu_bytes(own)
     given_backend = any(a.startswith("--dist_backend=") for a in rest)
+    given_dtype = any(a.startswith("--dtype=") for a in rest)
     settings = train_settings(rest)
+    if not given_dtype and not any(not a.startswith("--") and "dtype" in configurator.run_file(a) for a in rest):
+        settings["dtype"] = "bfloat16"  # (what train.py takes on the GPUs plans are for)
     settings["vocab_size"] = vocab_size(settings)
     backends = [settings["dist_backend"]] if given_backend else list(BACKENDS)
     rows = []
@@ -441,23 +484,43 @@ def main(argv):
             rank = own["rank"] if own["rank"] < world else 0
             print(f"planning {backend_name} at W={world}, rank {rank}", file=sys.stderr, flush=True)
             try:
-                rows.append(in_child(plan, settings, backend_name, world, rank))
+                row = in_child(plan, settings, backend_name, world, rank)
+                if limit is not None:
+                    row["fits"] = row["peak_allocated_bytes"] <= limit
+                    row["max_batch_size"] = largest_batch(settings, backend_name, world, rank, row, limit)
+                rows.append(row)
             except BackendError as e:
                 configurator.fail(str(e))
-    print(table(rows))
+    print(table(rows, settings, limit))
     if own["json"]:
         import json
         with open(own["json"], "w") as f:
             json.dump(rows, f, indent=1)
 
 
-def table(rows):
+def table(rows, settings, limit):
     def gib(n):
         return f"{n / 2**30:,.2f}"
-    lines = [f"{'backend':<12} {'W':>5} {'rank':>5} {'peak GiB':>9} {'state GiB':>9}  peak at"]
+    answers = limit is not None
+    head = f"{'backend':<12} {'W':>5} {'rank':>4} {'peak GiB':>9} {'state GiB':>9} {'comm GiB':>9}"
+    lines = [head + (f" {'fits':>4} {'max batch':>9}" if answers else "") + "  peak at"]
     for r in rows:
-        lines.append(f"{r['backend']:<12} {r['nproc']:>5} {r['rank']:>5} {gib(r['peak_allocated_bytes']):>9} "
-                     f"{gib(r['state_bytes']):>9}  {r['peak_at']}")
+        line = (f"{r['backend']:<12} {r['nproc']:>5} {r['rank']:>4} {gib(r['peak_allocated_bytes']):>9} "
+                f"{gib(r['state_bytes']):>9} {gib(sum(r['comm_bytes_per_step'].values())):>9}")
+        if answers:
+            line += f" {'yes' if r['fits'] else 'no':>4} {r['max_batch_size']:>9}"
+        lines.append(line + "  " + r["peak_at"])
+    lines.append(f"\nbatch_size={settings['batch_size']}, block_size={settings['block_size']}, dtype={settings['dtype']}; "
+                 "each rank's micro-steps: gradient_accumulation_steps / W (one where W does not divide it).")
+    if answers:
+        smallest = {}
+        for r in rows:
+            if r["fits"]:
+                smallest.setdefault(r["backend"], r["nproc"])
+        lines.append(f"in {limit / 2**30:,.1f} GiB: " + "; ".join(
+            f"{b} fits from W={w}" for b, w in smallest.items()) if smallest else "none of these fits")
+    lines.append("Counted as the CPU allocator counts (kernels' own scratch aside); a GPU's reserved memory "
+                 "(the caching allocator's blocks, CUDA's context, cuBLAS and NCCL buffers) is not modelled yet.")
     return "\n".join(lines)
 
 

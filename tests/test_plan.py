@@ -100,8 +100,30 @@ def test_plan_prints_a_table_and_writes_json(tmp_path, data):
     assert "custom_fsdp" in res.stdout and "planning custom_fsdp at W=2" in res.stderr
 
 
+def test_the_largest_batch_that_fits_is_the_largest(tmp_path, data):
+    """--gpu_mem_gib answers: whether the planned peak fits, and the largest batch_size that does
+    (planned again at it and one above, the peak is within and beyond the memory)."""
+    limit_gib = 0.006
+    common = ["python", REPO / "plan.py", "--dist_backend=custom_fsdp", *MODEL, f"--data_dir={data}"]
+    out = tmp_path / "plan.json"
+    res = launch(common + ["--nproc=2", f"--gpu_mem_gib={limit_gib}", f"--json={out}"], timeout=120)
+    assert res.returncode == 0, res.describe()
+    (row,) = json.loads(out.read_text())
+    assert row["fits"] == (row["peak_allocated_bytes"] <= limit_gib * 2**30)
+    best = row["max_batch_size"]
+    assert best > 0
+    peaks = {}
+    for batch in (best, best + 1):
+        out = tmp_path / f"b{batch}.json"
+        res = launch(common + ["--nproc=2", f"--batch_size={batch}", f"--json={out}"], timeout=120)
+        assert res.returncode == 0, res.describe()
+        peaks[batch] = json.loads(out.read_text())[0]["peak_allocated_bytes"]
+    assert peaks[best] <= limit_gib * 2**30 < peaks[best + 1], peaks
+
+
 @pytest.mark.parametrize("args,names", [(["--nproc=2,x"], "--nproc"), (["--nproc=0"], "--nproc"),
-                                        (["--n_layers=3"], "n_layers"), (["--dist_backend=zero"], "zero")])
+                                        (["--n_layers=3"], "n_layers"), (["--dist_backend=zero"], "zero"),
+                                        (["--gpu=v100"], "v100"), (["--gpu_mem_gib=-1"], "--gpu_mem_gib")])
 def test_bad_input_is_one_line(args, names):
     res = launch(["python", REPO / "plan.py", *args], timeout=60)
     assert names in one_error_line(res)
