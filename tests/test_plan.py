@@ -82,6 +82,30 @@ def test_rank_0_holds_the_largest_shards(report):
     assert first["planned_state"] > last["planned_state"] and first["planned_peak"] > last["planned_peak"]
 
 
+@pytest.mark.parametrize("rank", [0, 47])
+def test_state_is_zeros_arithmetic(report, rank):
+    """At W=48, rank r's state: ZeRO's 16 bytes per parameter (float32 parameter, gradient and
+    AdamW's two moments) over W, plus padding, plus a 4-byte step counter per parameter tensor.
+    Each rank holds ceil(rows / W) rows of each parameter, or fewer or none near the end
+    (torch.chunk's split); its parameters and gradients live in buffers of the padded size on
+    every rank, as FSDP2's, and the moments are the size of the rows it holds."""
+    import math
+    import sys
+    sys.path.insert(0, str(REPO))
+    import torch
+    from model import GPT, GPTConfig
+    with torch.device("meta"):
+        gpt = GPT(GPTConfig(n_layer=3, n_head=4, n_embd=64, block_size=32, vocab_size=65, bias=False))
+    held = padded = 0
+    world = 48
+    for p in gpt.parameters():
+        rows = math.ceil(p.shape[0] / world)
+        held += max(0, min(rows, p.shape[0] - rank * rows)) * math.prod(p.shape[1:])
+        padded += rows * math.prod(p.shape[1:])
+    expected = 8 * padded + 8 * held + 4 * len(list(gpt.parameters()))
+    assert report[key("custom_fsdp", world, rank, ["--wrap_policy=block"])]["planned_state"] == expected
+
+
 def test_sharding_divides_the_state(report):
     states = {w: report[key("custom_fsdp", w, 0, [])]["planned_state"] for w in (1, 2, 4)}
     assert states[1] > states[2] > states[4] >= states[1] / 4
