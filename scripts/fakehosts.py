@@ -8,8 +8,8 @@ Rehearsal of a cluster run on one GPU: numbers and memory, not speed (the ranks 
 
     python scripts/fakehosts.py --nproc=4 train.py config/train_shakespeare_char.py --dist_backend=custom_fsdp
 
-For train.py it first estimates each rank's model state from the config and refuses, in one line,
-W ranks that cannot fit in the GPU's memory; after the run it prints each rank's peak memory from
+For train.py it first plans each rank's peak memory (plan.py) and refuses, in one line, W ranks
+that cannot fit in the GPU's memory; after the run it prints each rank's peak memory from
 out_dir/metrics.jsonl. Any other script is launched as it is. Fake hosts' own flags (--nproc,
 --timeout) come before the script. Every process started is stopped at the end, on success,
 failure (one rank fails: the others are stopped, the exit code is that rank's) and timeout alike.
@@ -227,18 +227,32 @@ def state_bytes_per_rank(settings, nproc, params):
     return BYTES_PER_PARAM * params / max(nproc // settings["replicate_degree"], 1)
 
 
-def memory_refusal(settings, nproc, params, gpu_bytes):
-    """Why `nproc` ranks cannot fit in a GPU of gpu_bytes (one line), or None. A floor: activations
-    and gathered units come on top."""
+def planned_peak(train_args, nproc):
+    """A rank's peak allocated bytes in train.py's step at nproc ranks, as plan.py plans it (rank 0,
+    whose shards are the largest); None under cpu_offload, which the plan does not cover."""
+    import plan
+    settings = plan.train_settings(train_args)
+    if settings["cpu_offload"]:
+        return None
+    settings["vocab_size"] = plan.vocab_size(settings)
+    return plan.in_child(plan.plan, settings, settings["dist_backend"], nproc, 0)["peak_allocated_bytes"]
+
+
+def memory_refusal(settings, nproc, params, gpu_bytes, peak=None):
+    """Why `nproc` ranks cannot fit in a GPU of gpu_bytes (one line), or None. With the plan's peak
+    per rank, that and the CUDA context; without it (cpu_offload), a floor: the model state."""
     state = state_bytes_per_rank(settings, nproc, params)
-    per_rank = state + CUDA_CONTEXT_BYTES
+    per_rank = (peak if peak is not None else state) + CUDA_CONTEXT_BYTES
     if nproc * per_rank <= gpu_bytes:
         return None
     ddp = settings["dist_backend"] == "ddp"
-    split = "" if ddp else f" sharded {max(nproc // settings['replicate_degree'], 1)} ways"
+    if peak is not None:
+        what = f"a planned peak of {peak / GiB:.1f} GiB (plan.py)"
+    else:
+        split = "" if ddp else f" sharded {max(nproc // settings['replicate_degree'], 1)} ways"
+        what = f"{state / GiB:.1f} GiB of model state, {BYTES_PER_PARAM} bytes per parameter of {params / 1e9:.2f}B{split}"
     return (f"{nproc} ranks of {settings['dist_backend']} need at least {nproc} x {per_rank / GiB:.1f} GiB "
-            f"({state / GiB:.1f} GiB of model state, {BYTES_PER_PARAM} bytes per parameter of {params / 1e9:.2f}B"
-            f"{split}, and {CUDA_CONTEXT_BYTES / GiB:.0f} GiB of CUDA context) = {nproc * per_rank / GiB:.1f} GiB, "
+            f"({what}, and {CUDA_CONTEXT_BYTES / GiB:.0f} GiB of CUDA context) = {nproc * per_rank / GiB:.1f} GiB, "
             f"more than the GPU's {gpu_bytes / GiB:.1f} GiB: use fewer ranks{' or a sharded backend' if ddp else ''}")
 
 
@@ -302,7 +316,7 @@ def main(argv=None):
         if settings["device"].startswith("cuda"):
             import torch
             gpu_bytes = torch.cuda.get_device_properties(0).total_memory
-            refusal = memory_refusal(settings, a.nproc, params, gpu_bytes)
+            refusal = memory_refusal(settings, a.nproc, params, gpu_bytes, planned_peak(a.args, a.nproc))
             if refusal:
                 error(refusal)
         print(f"fakehosts: {a.nproc} ranks of {settings['dist_backend']} on one {settings['device'].split(':')[0]}"

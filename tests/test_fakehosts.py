@@ -108,20 +108,23 @@ def test_timeout_stops_every_process(launches):
 
 
 def test_rehearsal_refuses_ranks_the_gpu_cannot_hold(tmp_path):
-    """16 bytes per parameter: a 124M-parameter model under ddp needs 2 GB of state per rank, so 4
-    ranks (plus 1 GiB of CUDA context each) do not fit 8 GiB; sharded 4 ways they do."""
-    config = tmp_path / "gpt2.py"
-    config.write_text("n_layer = 12\nn_head = 12\nn_embd = 768\nblock_size = 1024\nbatch_size = 4\n")
-    settings = fakehosts.train_settings([str(config), f"--data_dir={tmp_path}", "--device=cuda", "--max_iters=3"])
-    assert settings["n_layer"] == 12 and settings["device"] == "cuda" and settings["dist_backend"] == "ddp"
+    """The rehearsal asks plan.py for a rank's peak: 4 ranks, each with that and 1 GiB of CUDA
+    context, are refused by a GPU one byte short of holding them all, and fit one that does. The
+    plan is of the run asked for: ddp's peak is above a sharded backend's."""
+    config = tmp_path / "small.py"
+    config.write_text("n_layer = 2\nn_head = 4\nn_embd = 128\nblock_size = 128\nbatch_size = 4\n")
+    args = [str(config), f"--data_dir={tmp_path}", "--device=cuda", "--max_iters=3"]
+    settings = fakehosts.train_settings(args)
+    assert settings["n_layer"] == 2 and settings["device"] == "cuda" and settings["dist_backend"] == "ddp"
     params = fakehosts.parameter_count(settings)
-    assert 124e6 < params < 125e6, params  # GPT-2 small, vocabulary padded to 50304
-    msg = fakehosts.memory_refusal(settings, 4, params, gpu_bytes=8 * 2**30)
+    peak = fakehosts.planned_peak(args, 4)
+    assert peak > fakehosts.state_bytes_per_rank(settings, 4, params)  # activations on top of the state
+    need = 4 * (peak + fakehosts.CUDA_CONTEXT_BYTES)
+    msg = fakehosts.memory_refusal(settings, 4, params, need - 1, peak)
     assert msg and "\n" not in msg and msg.startswith("4 ranks of ddp need at least"), msg
-    assert "more than the GPU's 8.0 GiB" in msg and "sharded backend" in msg, msg
-    sharded = fakehosts.train_settings([str(config), f"--data_dir={tmp_path}", "--dist_backend=fsdp"])
-    assert fakehosts.memory_refusal(sharded, 4, params, gpu_bytes=8 * 2**30) is None
-    assert fakehosts.memory_refusal(settings, 4, params, gpu_bytes=80 * 2**30) is None
+    assert "planned peak" in msg and "sharded backend" in msg, msg
+    assert fakehosts.memory_refusal(settings, 4, params, need, peak) is None
+    assert fakehosts.planned_peak(args + ["--dist_backend=fsdp"], 4) < peak
 
 
 def test_rehearsal_reads_train_py_defaults(launches):
