@@ -99,6 +99,8 @@ class Allocations(TorchDispatchMode):
         self.comm = {}  # collective kind -> bytes this rank sends or receives through it
         self.comm_storages = set()  # storage ids a collective read or wrote
         self._orig_resize = self._orig_rng_state = None
+        self.trace = []  # (storage number, its bytes now: 0 once freed), for the caching allocator's model
+        self.live_ids = []  # (one slot per storage ever seen: its number)
 
     def __enter__(self):
         # a storage resized in place (FSDP2's and fsdp_impl's free and refill of gathered
@@ -153,9 +155,12 @@ class Allocations(TorchDispatchMode):
         entry = self.live.get(key)
         if entry is None:
             if new:  # (also when empty: FSDP makes its gathered buffers empty, then resizes them)
-                self.live[key] = [nbytes, weakref.ref(storage, lambda _, key=key: self._freed(key))]
+                self.live[key] = [nbytes, weakref.ref(storage, lambda _, key=key: self._freed(key)), len(self.live_ids)]
+                self.live_ids.append(None)
+                self.trace.append((self.live[key][2], nbytes))
                 self._change(nbytes)
         elif entry[0] != nbytes:
+            self.trace.append((entry[2], nbytes))
             self._change(nbytes - entry[0])
             entry[0] = nbytes
 
@@ -164,6 +169,7 @@ class Allocations(TorchDispatchMode):
         entry = self.live.pop(key, None)
         self.comm_storages.discard(key)
         if entry is not None:
+            self.trace.append((entry[2], 0))
             self._change(-entry[0])
 
     def _change(self, delta):
@@ -201,6 +207,65 @@ def plain_tensors(t):
         return [t]
     inner = (getattr(t, attr) for attr in t.__tensor_flatten__()[0])
     return [x for t in inner if isinstance(t, torch.Tensor) for x in plain_tensors(t)]
+
+
+class CachingAllocatorModel:
+    """CUDA's caching allocator (c10/cuda/CUDACachingAllocator.cpp, its defaults) replayed over a
+    plan's allocations, on one stream: sizes rounded up to 512 bytes; requests up to 1 MiB served
+    from 2 MiB segments, larger ones from 20 MiB segments below 10 MiB, else from a segment of their
+    size rounded up to 2 MiB; the smallest cached free block that fits is taken and split when
+    what is left is worth keeping (512 bytes in the small pool, over 1 MiB in the large); freed
+    blocks merge with free neighbours of their segment; segments are never returned. A storage
+    resized in place is a new block, then the old one freed (a copy)."""
+    SMALL, MIN_BLOCK, SMALL_SEGMENT, LARGE_SEGMENT, MIN_LARGE, ROUND_LARGE = (
+        2**20, 512, 2 * 2**20, 20 * 2**20, 10 * 2**20, 2 * 2**20)
+
+    def __init__(self):
+        self.free = {True: [], False: []}  # small pool?: [block]; a block: [segment, offset, size]
+        self.neighbours = {}  # segment id -> sorted list of its blocks [offset, size, free]
+        self.blocks = {}  # storage number -> its block
+        self.allocated = self.reserved = self.peak_allocated = 0
+        self.segments = 0
+
+    def replay(self, trace):
+        for number, nbytes in trace:
+            old = self.blocks.pop(number, None)
+            if nbytes:
+                self.blocks[number] = self._malloc(nbytes)
+            if old is not None:
+                self._release(old)
+        return self
+
+    def _malloc(self, nbytes):
+        size = max(self.MIN_BLOCK, -(-nbytes // self.MIN_BLOCK) * self.MIN_BLOCK)
+        small = size <= self.SMALL
+        fits = [b for b in self.free[small] if b[2] >= size]
+        if fits:
+            block = min(fits, key=lambda b: (b[2], b[0], b[1]))
+            self.free[small].remove(block)
+        else:
+            segment = self.SMALL_SEGMENT if small else (
+                self.LARGE_SEGMENT if size < self.MIN_LARGE else -(-size // self.ROUND_LARGE) * self.ROUND_LARGE)
+            self.reserved += segment
+            self.segments += 1
+            block = [self.segments, 0, segment]
+        rest = block[2] - size
+        if rest >= self.MIN_BLOCK if small else rest > self.SMALL:
+            self.free[small].append([block[0], block[1] + size, rest])
+            block = [block[0], block[1], size]
+        block.append(small)
+        self.allocated += block[2]
+        self.peak_allocated = max(self.peak_allocated, self.allocated)
+        return block
+
+    def _release(self, block):
+        segment, offset, size, small = block
+        self.allocated -= size
+        pool = self.free[small]
+        for other in [b for b in pool if b[0] == segment and (b[1] + b[2] == offset or offset + size == b[1])]:
+            pool.remove(other)
+            offset, size = min(offset, other[1]), size + other[2]
+        pool.append([segment, offset, size])
 
 
 def storage_id(t):
@@ -368,8 +433,10 @@ def plan(settings, backend_name, world, rank):
     made_of = dict.fromkeys(ROLES, 0)
     for key, nbytes in counter.peak_live.items():
         made_of[counter.peak_roles.get(key, "activations")] += nbytes
+    cuda = CachingAllocatorModel().replay(counter.trace)
     return {"backend": backend_name, "nproc": world, "rank": rank, "micro_steps": local_steps,
-            "peak_allocated_bytes": counter.peak, "peak_at": counter.peak_where, "peak_made_of": made_of,
+            "peak_allocated_bytes": counter.peak, "cuda_allocated_bytes": cuda.peak_allocated,
+            "reserved_bytes": cuda.reserved, "peak_at": counter.peak_where, "peak_made_of": made_of,
             "steady_bytes": counter.steady, "state_bytes": state, "comm_bytes_per_step": counter.comm,
             "seconds": round(time.time() - started, 2)}
 
@@ -452,20 +519,22 @@ def gpu_bytes(own):
 
 
 def largest_batch(settings, backend_name, world, rank, row, limit):
-    """The largest batch_size whose planned peak fits in `limit` bytes: activations grow linearly
-    with the batch, so two plans give the line; a third checks its answer (and steps down if the
-    peak's phase moved)."""
+    """The largest batch_size whose modelled reserved memory fits in `limit` bytes. Allocated bytes
+    grow linearly with the batch, so two plans give the line and the largest batch under it; the
+    reserve grows in steps above it, so plans at that batch and its neighbours settle it."""
     batch = settings["batch_size"]
     other = batch + 1 if batch == 1 else batch // 2
     peak_other = in_child(plan, dict(settings, batch_size=other), backend_name, world, rank)["peak_allocated_bytes"]
     per_sample = (row["peak_allocated_bytes"] - peak_other) / (batch - other)
     fixed = row["peak_allocated_bytes"] - per_sample * batch
-    guess = int((limit - fixed) // per_sample) if per_sample > 0 else batch
-    while guess > 0:
-        if in_child(plan, dict(settings, batch_size=guess), backend_name, world, rank)["peak_allocated_bytes"] <= limit:
-            return guess
-        guess -= 1
-    return 0
+    def reserve(batch):
+        return in_child(plan, dict(settings, batch_size=batch), backend_name, world, rank)["reserved_bytes"]
+    guess = max(int((limit - fixed) // per_sample) if per_sample > 0 else batch, 1)
+    while guess > 0 and (reserved := reserve(guess)) > limit:
+        guess = min(guess - 1, int(guess * limit / reserved))
+    while guess > 0 and reserve(guess + 1) <= limit:  # (the reserve grows in steps: one more may fit)
+        guess += 1
+    return guess
 
 
 def main(argv):
@@ -486,7 +555,7 @@ def main(argv):
             try:
                 row = in_child(plan, settings, backend_name, world, rank)
                 if limit is not None:
-                    row["fits"] = row["peak_allocated_bytes"] <= limit
+                    row["fits"] = row["reserved_bytes"] <= limit
                     row["max_batch_size"] = largest_batch(settings, backend_name, world, rank, row, limit)
                 rows.append(row)
             except BackendError as e:
@@ -502,11 +571,11 @@ def table(rows, settings, limit):
     def gib(n):
         return f"{n / 2**30:,.2f}"
     answers = limit is not None
-    head = f"{'backend':<12} {'W':>5} {'rank':>4} {'peak GiB':>9} {'state GiB':>9} {'comm GiB':>9}"
+    head = f"{'backend':<12} {'W':>5} {'rank':>4} {'peak GiB':>9} {'reserve':>9} {'state GiB':>9} {'comm GiB':>9}"
     lines = [head + (f" {'fits':>4} {'max batch':>9}" if answers else "") + "  peak at"]
     for r in rows:
         line = (f"{r['backend']:<12} {r['nproc']:>5} {r['rank']:>4} {gib(r['peak_allocated_bytes']):>9} "
-                f"{gib(r['state_bytes']):>9} {gib(sum(r['comm_bytes_per_step'].values())):>9}")
+                f"{gib(r['reserved_bytes']):>9} {gib(r['state_bytes']):>9} {gib(sum(r['comm_bytes_per_step'].values())):>9}")
         if answers:
             line += f" {'yes' if r['fits'] else 'no':>4} {r['max_batch_size']:>9}"
         lines.append(line + "  " + r["peak_at"])
@@ -519,8 +588,9 @@ def table(rows, settings, limit):
                 smallest.setdefault(r["backend"], r["nproc"])
         lines.append(f"in {limit / 2**30:,.1f} GiB: " + "; ".join(
             f"{b} fits from W={w}" for b, w in smallest.items()) if smallest else "none of these fits")
-    lines.append("Counted as the CPU allocator counts (kernels' own scratch aside); a GPU's reserved memory "
-                 "(the caching allocator's blocks, CUDA's context, cuBLAS and NCCL buffers) is not modelled yet.")
+    lines.append("peak: allocated, as the CPU allocator counts it (kernels' own scratch aside). reserve: CUDA's "
+                 "caching allocator replayed over it, one stream; fits compares it. Not counted: CUDA's context, "
+                 "cuBLAS and NCCL buffers.")
     return "\n".join(lines)
 
 
