@@ -395,6 +395,8 @@ def steps(counter, settings, back, model, local_steps, fake):
         train_step(settings, back, model, optimizer, local_steps, random_batch(settings), mark)
         if step == 0:
             counter.steady = counter.allocated
+    for bucket in getattr(model, "_planned_ddp_buckets", ()):  # DDP's reducer all-reduces each bucket once a step
+        counter.comm["all_reduce"] = counter.comm.get("all_reduce", 0) + bucket.numel() * bucket.element_size()
     counter.snapshot_if_at_peak()
     counter.roles = None
     return state[0]
@@ -546,6 +548,7 @@ def main(argv):
     if not given_dtype and not any(not a.startswith("--") and "dtype" in configurator.run_file(a) for a in rest):
         settings["dtype"] = "bfloat16"  # (what train.py takes on the GPUs plans are for)
     settings["vocab_size"] = vocab_size(settings)
+    compiled, settings["compile"] = settings["compile"], False  # (torch.compile's kernels: not planned)
     backends = [settings["dist_backend"]] if given_backend else list(BACKENDS)
     rows = []
     for backend_name in backends:
@@ -561,6 +564,8 @@ def main(argv):
             except BackendError as e:
                 configurator.fail(str(e))
     print(table(rows, settings, limit))
+    if compiled:
+        print("compile=True is planned as eager: the compiled kernels' own buffers are not counted.")
     if own["json"]:
         import json
         with open(own["json"], "w") as f:
@@ -580,7 +585,8 @@ def table(rows, settings, limit):
             line += f" {'yes' if r['fits'] else 'no':>4} {r['max_batch_size']:>9}"
         lines.append(line + "  " + r["peak_at"])
     lines.append(f"\nbatch_size={settings['batch_size']}, block_size={settings['block_size']}, dtype={settings['dtype']}; "
-                 "each rank's micro-steps: gradient_accumulation_steps / W (one where W does not divide it).")
+                 "a rank's micro-steps: gradient_accumulation_steps / W")
+    lines.append("(one where W does not divide it: memory depends on the micro-batch; the job needs a multiple of W).")
     if answers:
         smallest = {}
         for r in rows:
@@ -588,9 +594,9 @@ def table(rows, settings, limit):
                 smallest.setdefault(r["backend"], r["nproc"])
         lines.append(f"in {limit / 2**30:,.1f} GiB: " + "; ".join(
             f"{b} fits from W={w}" for b, w in smallest.items()) if smallest else "none of these fits")
-    lines.append("peak: allocated, as the CPU allocator counts it (kernels' own scratch aside). reserve: CUDA's "
-                 "caching allocator replayed over it, one stream; fits compares it. Not counted: CUDA's context, "
-                 "cuBLAS and NCCL buffers.")
+    lines.append("peak: allocated, as the CPU allocator counts it (kernels' own scratch aside).")
+    lines.append("reserve: CUDA's caching allocator replayed over it, one stream; fits compares it.")
+    lines.append("Not counted: CUDA's context, cuBLAS's and NCCL's buffers.")
     return "\n".join(lines)
 
 
