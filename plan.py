@@ -338,9 +338,10 @@ def random_batch(settings):
 
 
 @contextmanager
-def fake_process_group(world, rank):
+def fake_process_group(world, rank, backend="fake"):
+    """Rank `rank` of `world` in this one process, in a group whose collectives move nothing."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+    dist.init_process_group(backend, store=FakeStore(), rank=rank, world_size=world)
     try:
         yield
     finally:

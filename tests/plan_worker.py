@@ -15,7 +15,7 @@ import gc
 import json
 import sys
 import traceback
-from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -75,16 +75,6 @@ class SilentGroup(dist.ProcessGroup):
 dist.Backend.register_backend("silent", lambda store, rank, size, timeout: SilentGroup(rank, size), devices=["cpu"])
 
 
-@contextmanager
-def silent_group(world, rank):
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-    dist.init_process_group("silent", store=FakeStore(), rank=rank, world_size=world)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
 def measured_peak(prof):
     """The CPU allocator's own running total, reported with each allocation and free while the
     profiler ran (kept under its lock, so in the true order): its largest rise over where it stood
@@ -107,7 +97,7 @@ def case(backend, world, rank, argv):
     gc.collect()  # (an earlier case's tensors freed inside this one's window would lower its count)
     prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
     counted, state, _ = plan.run(settings, backend, world, rank, fake=False, measured=lambda: prof,
-                                 group=silent_group if backend == "ddp" else None)
+                                 group=partial(plan.fake_process_group, backend="silent") if backend == "ddp" else None)
     peak = measured_peak(prof)
     return {"planned_peak": planned.peak, "planned_state": planned_state, "planned_where": planned.peak_where,
             "counted_real_peak": counted.peak, "measured_peak": peak, "measured_state": state}
