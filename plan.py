@@ -5,8 +5,10 @@ Will it fit? Each rank's memory for a train.py run, planned on one CPU, before a
     python plan.py config/train_gpt2.py --dist_backend=custom_fsdp --nproc=2,4 --json=plan.json
 
 It takes train.py's config files and --key=value settings, plus its own: --nproc (world sizes,
-comma-separated), --rank (default: rank 0, whose shards are the largest) and --json (one row per
-backend and world size). --dist_backend plans one backend; without it, all three.
+comma-separated), --rank (default: rank 0, whose shards are the largest), --gpu (a100, h100, h200)
+or --gpu_mem_gib (whether it fits, and the largest batch that does), --json (one row per backend
+and world size) and --png (peak per rank against W). --dist_backend plans one backend; without it,
+all three.
 
 For each backend and world size W it runs the real code: the model built on the meta device and
 wrapped through backends.py as train.py wraps it, then two whole training steps as train.py runs
@@ -16,9 +18,10 @@ this one process. The process group is fake (collectives move nothing) and so ar
 real one. A dispatch mode counts each storage as the allocator would: allocated when an op makes
 it, resized when a storage is resized (FSDP's gathers), freed when the last tensor on it dies.
 
-The counts are CPU tensors', as on --device=cpu: the exact figures a CPU run allocates (the tests
-hold the plan to a real gloo run's allocator events). A GPU's reserved memory, CUDA's kernels and
-autocast are not modelled yet.
+The counts are CPU tensors', as on --device=cpu: the figures a CPU run allocates, to the byte (the
+tests hold the plan to the CPU allocator's own count). The GPU's reserve is CUDA's caching
+allocator replayed over them. Not modelled yet: CUDA's kernels and their scratch, autocast on
+CUDA, several streams, CUDA's context and cuBLAS's and NCCL's buffers.
 """
 import os
 import sys
@@ -35,7 +38,7 @@ import configurator
 from backends import BACKENDS, BackendError, DDPBackend, make_backend
 from model import GPT, GPTConfig
 
-PLAN_FLAGS = {"nproc": "1,2,4,8", "rank": 0, "json": "", "gpu": "", "gpu_mem_gib": ""}  # plan.py's own settings, beside train.py's
+PLAN_FLAGS = {"nproc": "1,2,4,8", "rank": 0, "json": "", "png": "", "gpu": "", "gpu_mem_gib": ""}  # plan.py's own settings, beside train.py's
 ROLES = ("parameters", "gradients", "optimizer_state", "gathered_parameters", "communication", "activations")
 
 
@@ -571,6 +574,33 @@ def main(argv):
         import json
         with open(own["json"], "w") as f:
             json.dump(rows, f, indent=1)
+    if own["png"]:
+        draw(rows, settings, own["png"])
+
+
+def draw(rows, settings, path):
+    """Each backend's per-rank peak against W (log scales, W from 1 to 1024), beside ZeRO's 16 bytes
+    per parameter over W: what sharding divides, and what it leaves (activations, gathered units)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    params = sum(p.numel() for p in meta_model(settings).parameters())
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for backend in dict.fromkeys(r["backend"] for r in rows):
+        points = sorted((r["nproc"], r["peak_allocated_bytes"] / 2**30) for r in rows if r["backend"] == backend)
+        ax.plot(*zip(*points), marker="o", label=f"{backend}: peak per rank")
+    worlds = [2**i for i in range(11)]
+    ax.plot(worlds, [16 * params / w / 2**30 for w in worlds], "k--", label="16 bytes/param / W (ZeRO-3 state)")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlim(1, 1024)
+    ax.set_xlabel("world size W")
+    ax.set_ylabel("GiB per rank")
+    ax.set_title(f"{params / 1e9:.2f}B parameters, batch {settings['batch_size']} x {settings['block_size']}, "
+                 f"{settings['dtype']}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
 
 
 def table(rows, settings, limit):

@@ -114,7 +114,8 @@ def test_sharding_divides_the_state(report):
 def test_plan_prints_a_table_and_writes_json(tmp_path, data):
     out = tmp_path / "plan.json"
     res = launch(["python", REPO / "plan.py", "--dist_backend=custom_fsdp", "--nproc=1,2", *MODEL,
-                  f"--data_dir={data}", f"--json={out}", "--compile=True"], timeout=120)
+                  f"--data_dir={data}", f"--json={out}", "--compile=True", f"--png={tmp_path / 'plan.png'}"],
+                 timeout=120)
     assert res.returncode == 0, res.describe()
     rows = json.loads(out.read_text())
     assert [(r["backend"], r["nproc"], r["rank"]) for r in rows] == [("custom_fsdp", 1, 0), ("custom_fsdp", 2, 0)]
@@ -123,6 +124,7 @@ def test_plan_prints_a_table_and_writes_json(tmp_path, data):
         assert sum(r["peak_made_of"].values()) == r["peak_allocated_bytes"]
     assert "custom_fsdp" in res.stdout and "planning custom_fsdp at W=2" in res.stderr
     assert "compile=True is planned as eager" in res.stdout
+    assert (tmp_path / "plan.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert max(len(line) for line in res.stdout.splitlines()) <= 120
 
 
