@@ -74,6 +74,8 @@ def split_argv(argv):
                 raise ValueError
         except ValueError:
             configurator.fail(f"--gpu_mem_gib={own['gpu_mem_gib']}: give the GPU's memory in GiB, such as 80")
+    if own["rank"] < 0:
+        configurator.fail(f"--rank={own['rank']} must be 0 or more (a rank past a world size plans rank 0 there)")
     if not all(1 <= w <= 1 << 20 for w in own["nproc"]):
         configurator.fail(f"--nproc={','.join(map(str, own['nproc']))}: each world size must be at least 1")
     return own, rest

@@ -151,7 +151,8 @@ def test_the_largest_batch_that_fits_is_the_largest(tmp_path, data):
 
 @pytest.mark.parametrize("args,names", [(["--nproc=2,x"], "--nproc"), (["--nproc=0"], "--nproc"),
                                         (["--n_layers=3"], "n_layers"), (["--dist_backend=zero"], "zero"),
-                                        (["--gpu=v100"], "v100"), (["--gpu_mem_gib=-1"], "--gpu_mem_gib")])
+                                        (["--gpu=v100"], "v100"), (["--gpu_mem_gib=-1"], "--gpu_mem_gib"),
+                                        (["--rank=-1"], "--rank")])
 def test_bad_input_is_one_line(args, names):
     res = launch(["python", REPO / "plan.py", *args], timeout=60)
     assert names in one_error_line(res)
