@@ -9,6 +9,7 @@ fully_shard() turns the module's parameters into sharded DTensors, swaps the mod
 for one that also derives from FSDPModule (unshard, reshard, set_requires_gradient_sync, ...),
 and registers thin forward hooks that call into the module's ShardedUnit.
 """
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -329,11 +330,44 @@ class FSDPModule:
         for unit in self._units(recurse):
             unit.requires_all_reduce = requires_all_reduce
 
+    def set_gradient_divide_factor(self, factor):
+        """Divide the summed gradients by `factor` instead of averaging them over the ranks (FSDP2's:
+        NCCL's PREMUL_SUM, or SUM and a division after with set_force_sum_reduction_for_comms). For
+        this module's unit only, as FSDP2's."""
+        for unit in self._units(recurse=False):
+            unit.gradient_divide_factor = factor
+
+    def set_reduce_scatter_divide_factor(self, factor):
+        """set_gradient_divide_factor's older name, as in FSDP2."""
+        self.set_gradient_divide_factor(factor)
+
+    def set_force_sum_reduction_for_comms(self, enable):
+        """Reduce with SUM only, dividing before or after the collectives (NCCL's zero-copy
+        collectives need SUM). For this module's unit only, as FSDP2's."""
+        for unit in self._units(recurse=False):
+            unit.sums_only = enable
+
     def set_modules_to_forward_prefetch(self, modules):
         self._fsdp_unit.forward_prefetch = [m._fsdp_unit for m in modules]
 
     def set_modules_to_backward_prefetch(self, modules):
         self._fsdp_unit.backward_prefetch = [m._fsdp_unit for m in modules]
+
+
+def register_fsdp_forward_method(module, method_name):
+    """Make `module.<method_name>` run as its forward does, between the unit's pre- and post-forward
+    (gathered before, resharded after), as FSDP2's. A module that is not sharded is left as it is."""
+    if not isinstance(module, FSDPModule):
+        return
+    if not hasattr(module, method_name):
+        raise ValueError(f"{type(module).__name__} has no method {method_name}")
+    method = getattr(module, method_name)
+
+    @functools.wraps(method)
+    def as_forward(self, *args, **kwargs):
+        args, kwargs = _pre_forward(self, args, kwargs)
+        return _post_forward(self, args, method(*args, **kwargs))
+    setattr(module, method_name, as_forward.__get__(module, type(module)))
 
 
 class _UnshardHandle:

@@ -93,19 +93,40 @@ def all_gather(output, shard, group):
     return library_collective("all_gather_single")(output, shard, group=group, async_op=True)
 
 
-def reduce_scatter(output, input, group):
-    """Average `input` (rank-major chunks) over the group; this rank's chunk lands in `output`.
-    With one rank there is nothing to reduce: the caller passes the input as the output."""
+def reduce_scatter(output, input, group, op=dist.ReduceOp.AVG):
+    """Reduce `input` (rank-major chunks) over the group, averaging by default; this rank's chunk
+    lands in `output`. With one rank there is nothing to reduce: the caller passes the input as the
+    output."""
     ledger.count("reduce_scatter", input)
     if group.size() == 1:
         if output is not input:
             output.copy_(input)
         return Done()
-    return library_collective("reduce_scatter_single")(output, input, op=dist.ReduceOp.AVG, group=group,
-                                                       async_op=True)
+    return library_collective("reduce_scatter_single")(output, input, op=op, group=group, async_op=True)
 
 
-def all_reduce_mean(tensor, group):
-    """Average `tensor` in place across the group (HSDP: across replicas)."""
+def all_reduce(tensor, group, op=dist.ReduceOp.AVG):
+    """Reduce `tensor` in place across the group (HSDP: across replicas), averaging by default."""
     ledger.count("all_reduce", tensor)
-    return dist.all_reduce(tensor, op=dist.ReduceOp.AVG, group=group, async_op=True)
+    return dist.all_reduce(tensor, op=op, group=group, async_op=True)
+
+
+def reduction_ops(shard_size, replicas, dtype, factor=None, sums_only=False):
+    """How gradients are averaged: (divide the input by, reduce-scatter op, all-reduce op, divide the
+    result by), as FSDP2's. In float32 and bfloat16 the collectives divide (AVG, or NCCL's
+    PREMUL_SUM by 1/factor for a custom factor), unless sums_only asks for SUM and a division after.
+    Other dtypes risk overflow: SUM, with the division split before and after."""
+    ranks = shard_size * replicas
+    if dtype in (torch.float32, torch.bfloat16) and not sums_only:
+        if factor is None:
+            op = dist.ReduceOp.SUM if ranks == 1 else dist.ReduceOp.AVG
+            return None, op, op, None
+        op = dist.ReduceOp.AVG if factor == shard_size else dist.ReduceOp.PREMUL_SUM(1 / factor)
+        return None, op, dist.ReduceOp.SUM, None
+    factor = float(ranks) if factor is None else factor
+    if dtype in (torch.float32, torch.bfloat16):
+        return None, dist.ReduceOp.SUM, dist.ReduceOp.SUM, factor
+    before = 1
+    while factor % before == 0 and factor / before > before:
+        before *= 2
+    return before, dist.ReduceOp.SUM, dist.ReduceOp.SUM, factor / before

@@ -73,8 +73,15 @@ class GradReduction:
             u.schedule.finish_reductions()  # at most one reduce-scatter in flight
             self._reduce_scatter(with_grad, grads)
 
+    def ops(self):
+        """(divide the input by, reduce-scatter op, all-reduce op, divide the result by): FSDP2's."""
+        u = self.unit
+        replicas = u.replicate_group.size() if u.replicate_group is not None else 1
+        return comm.reduction_ops(u.world, replicas, u.reduce_dtype, u.gradient_divide_factor, u.sums_only)
+
     def _reduce_scatter(self, params, grads):
         u = self.unit
+        before, op, _, _ = self.ops()
         with profiled(f"fsdp::reduce_scatter {u.name}"):
             ledger.log("reduce_scatter", u.name)
             numel = sum(ps.padded_numel for ps in params)
@@ -98,10 +105,14 @@ class GradReduction:
                 rs_input = torch.empty(u.world * numel, dtype=u.reduce_dtype, device=u.compute_device)
                 torch._chunk_cat(grads, dim=0, num_chunks=u.world, out=rs_input.view(u.world, -1))
             grads.clear()  # the unsharded gradients are freed here
+            if before is not None:
+                rs_input.div_(before)
+            if u.world == 1 and u.gradient_divide_factor is not None:  # (FSDP2's, whatever the ops)
+                rs_input.div_(u.gradient_divide_factor)
             # the output, which outlives the step as the sharded grads, only now (FSDP2's order too):
             # allocated before, it was one shard more at the peak, beside the unsharded grads
             rs_output = rs_input.new_empty(numel) if u.world > 1 else rs_input
-            work = comm.reduce_scatter(rs_output, rs_input, u.shard_group)
+            work = comm.reduce_scatter(rs_output, rs_input, u.shard_group, op)
             self.in_flight = Collective(work, rs_input, rs_output, params)
             if u.world == 1 and u.replicate_group is None:
                 # nothing to reduce, here or across replicas, so nothing to wait for: the sharded grads
@@ -123,7 +134,7 @@ class GradReduction:
             work.wait()
             ledger.log("reduce_scatter_wait", u.name)
             if u.replicate_group is None:
-                self._into_sharded_grads(output, params)
+                self._into_sharded_grads(self._divided(output), params)
                 return
             if self.kept_sums is not None:
                 output, params = self._add_kept_sums(output, params)
@@ -131,7 +142,7 @@ class GradReduction:
                 self.kept_sums = Collective(None, None, output, params)
                 return
             ledger.log("all_reduce", u.name)
-            self.all_reduce = Collective(comm.all_reduce_mean(output, u.replicate_group), output, output, params)
+            self.all_reduce = Collective(comm.all_reduce(output, u.replicate_group, self.ops()[2]), output, output, params)
             u.schedule.pending_all_reduces.append(self)
 
     def _add_kept_sums(self, output, params):
@@ -163,7 +174,7 @@ class GradReduction:
         with profiled(f"fsdp::all_reduce_wait {self.unit.name}"):
             work.wait()
             ledger.log("all_reduce_wait", self.unit.name)
-            self._into_sharded_grads(output, params)
+            self._into_sharded_grads(self._divided(output), params)
 
     @torch.no_grad()
     def all_reduce_kept_sums(self):
@@ -172,8 +183,13 @@ class GradReduction:
         if self.kept_sums is not None and self.unit.requires_all_reduce:
             _, _, output, params = self.kept_sums
             self.kept_sums = None
-            comm.all_reduce_mean(output, self.unit.replicate_group).wait()
-            self._into_sharded_grads(output, params)
+            comm.all_reduce(output, self.unit.replicate_group, self.ops()[2]).wait()
+            self._into_sharded_grads(self._divided(output), params)
+
+    def _divided(self, output):
+        """The reduced sums divided by what the collectives left undivided (sums-only reductions)."""
+        after = self.ops()[3]
+        return output.div_(after) if after is not None and after != 1 else output
 
     def _into_sharded_grads(self, output, params):
         """Add the reduced flat `output` (over `params`) into the sharded grads."""

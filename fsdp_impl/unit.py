@@ -87,6 +87,8 @@ class ShardedUnit:
         self.requires_grad_sync = True
         self.reshard_after_backward = True
         self.requires_all_reduce = True
+        self.gradient_divide_factor = None  # None: average over the data-parallel ranks
+        self.sums_only = False  # set_force_sum_reduction_for_comms: SUM collectives, a division after
         self.forward_prefetch = None  # None: the next unit in forward order; [] switches it off
         self.backward_prefetch = None
         # per-step state

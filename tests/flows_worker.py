@@ -32,6 +32,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy as FSDP2CPUOffload
 from torch.distributed.fsdp import FSDPModule as FSDP2Module
 from torch.distributed.fsdp import MixedPrecisionPolicy as FSDP2MixedPrecision
 from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
+from torch.distributed.fsdp import register_fsdp_forward_method as fsdp2_register
 from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
@@ -40,6 +41,7 @@ from fsdp_impl import CPUOffloadPolicy as OurCPUOffload  # noqa: E402
 from fsdp_impl import FSDPModule as OurModule  # noqa: E402
 from fsdp_impl import MixedPrecisionPolicy as OurMixedPrecision  # noqa: E402
 from fsdp_impl import fully_shard as our_fully_shard  # noqa: E402
+from fsdp_impl import register_fsdp_forward_method as our_register  # noqa: E402
 from fsdp_impl.comm import ledger  # noqa: E402
 
 warnings.filterwarnings("ignore")  # FSDP2's and checkpoint's advisory warnings would bury a traceback
@@ -51,6 +53,7 @@ def leave_unsharded(module, mesh):
 SHARD = {"fsdp2": fsdp2_fully_shard, "ours": our_fully_shard, "plain": leave_unsharded}
 BF16 = {"fsdp2": FSDP2MixedPrecision, "ours": OurMixedPrecision}  # param_dtype bf16, reduce_dtype float32
 OFFLOAD = {"fsdp2": FSDP2CPUOffload, "ours": OurCPUOffload}
+REGISTER = {"fsdp2": fsdp2_register, "ours": our_register}
 D, STEPS, LR = 8, 3, 1e-2
 
 
@@ -77,6 +80,10 @@ class Block(nn.Module):
         super().__init__()
         self.a, self.b = nn.Linear(D, D), nn.Linear(D, D)
         self.dataclass_output, self.reuse = dataclass_output, reuse
+
+    def project(self, x):
+        """The block's layers without its residual: a method other than forward that reads its weights."""
+        return self.b(torch.tanh(self.a(x)))
 
     def forward(self, x):
         x = x.h if isinstance(x, Out) else x
@@ -641,6 +648,49 @@ def cpu_offload_policy_on_a_cpu_mesh(impl, mesh):
     return train(build(impl, mesh, offload=True))
 
 
+def every_fsdp_module(model):
+    return [*model.blocks, model]
+
+
+def gradient_divide_factor_with_sum_reductions(impl, mesh):
+    """set_gradient_divide_factor(4) with set_force_sum_reduction_for_comms(True) on every sharded
+    module (gloo has no PREMUL_SUM): the grads summed over the ranks, then divided by 4."""
+    model = build(impl, mesh)
+    for module in every_fsdp_module(model):
+        module.set_gradient_divide_factor(4.0)
+        module.set_force_sum_reduction_for_comms(True)
+    return train(model)
+
+
+def sum_reductions_only(impl, mesh):
+    """set_force_sum_reduction_for_comms(True) alone: SUM collectives, then a division by W."""
+    model = build(impl, mesh)
+    for module in every_fsdp_module(model):
+        module.set_force_sum_reduction_for_comms(True)
+    return train(model)
+
+
+def gradient_divide_factor_on_the_root_only(impl, mesh):
+    """The factor set on the root module only: FSDP2's setter is not recursive, so the blocks
+    still average."""
+    model = build(impl, mesh)
+    model.set_gradient_divide_factor(2.0 * dist.get_world_size())
+    model.set_force_sum_reduction_for_comms(True)
+    return train(model)
+
+
+def forward_method_registered(impl, mesh):
+    """register_fsdp_forward_method(blocks.1, "project"): each step's loss adds the block's project()
+    of other data, which gathers the block's parameters as its forward does."""
+    model = build(impl, mesh)
+    if impl != "plain":
+        REGISTER[impl](model.blocks[1], "project")
+
+    def fwd_bwd(model, s):
+        (model(data(s)) + model.blocks[1].project(data(s, 1)).sum()).backward()
+    return train(model, fwd_bwd)
+
+
 FLOWS = [retain_graph, autograd_grad_then_backward, partial_no_grad_forward_before_step,
          partial_no_grad_forward_before_step_explicit_prefetch, reentrant_checkpoint, requires_grad_toggle,
          load_state_dict_assign, load_state_dict_assign_meta, grouped_unit_last_module_skipped,
@@ -658,7 +708,8 @@ FLOWS = [retain_graph, autograd_grad_then_backward, partial_no_grad_forward_befo
          own_messages_inside_a_forward, meta_init_with_a_unit_empty_on_a_rank,
          optimizer_in_backward_on_sharded_params, cpu_offload_policy_on_a_cpu_mesh,
          chunked_loss_calls_a_grouped_units_head_alone, chunked_loss_with_the_units_other_module_skipped,
-         grouped_units_member_run_alone_first]
+         grouped_units_member_run_alone_first, gradient_divide_factor_with_sum_reductions, sum_reductions_only,
+         gradient_divide_factor_on_the_root_only, forward_method_registered]
 REFERENCE = {flow: "fsdp2" for flow in FLOWS} | {
     partial_no_grad_forward_before_step_explicit_prefetch: "plain", reset_after_exception_in_backward: "plain",
     reentrant_checkpoint_two_forwards: "plain", inference_mode_first_forward: "plain",

@@ -37,7 +37,10 @@ without a forward, a 3-D mesh, a 2-D mesh without dim names) is refused with its
 nn.Sequential is a plain Sequential. Code written for FSDP2 that trained wrongly or crashed later
 here: a meta-device unit of which a rank holds nothing, an optimizer stepped from the sharded
 parameters' post-accumulate-grad hooks, CPUOffloadPolicy on a CPU mesh, a grouped unit whose
-head a chunked loss calls alone, its other module skipped.
+head a chunked loss calls alone, its other module skipped. FSDP2's API beyond train.py's: a
+gradient divide factor with sum-only collectives (on every module, and on the root alone: the
+setter is not recursive), sum-only collectives alone, and a block method registered as a forward
+(register_fsdp_forward_method).
 
 The reference is FSDP2, except in the flows where FSDP2 (torch 2.13) computes something else than
 plain PyTorch: with explicit forward-prefetch lists it uses the probe's all-gather from before the
@@ -82,7 +85,10 @@ FLOWS = ["retain_graph", "autograd_grad_then_backward", "partial_no_grad_forward
          # code written for FSDP2 that trained wrongly, or crashed later, on fsdp_impl
          "meta_init_with_a_unit_empty_on_a_rank", "optimizer_in_backward_on_sharded_params",
          "cpu_offload_policy_on_a_cpu_mesh", "chunked_loss_calls_a_grouped_units_head_alone",
-         "chunked_loss_with_the_units_other_module_skipped", "grouped_units_member_run_alone_first"]
+         "chunked_loss_with_the_units_other_module_skipped", "grouped_units_member_run_alone_first",
+         # FSDP2's API beyond train.py's
+         "gradient_divide_factor_with_sum_reductions", "sum_reductions_only", "gradient_divide_factor_on_the_root_only",
+         "forward_method_registered"]
 
 
 @pytest.fixture(scope="module")
