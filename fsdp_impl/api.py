@@ -347,6 +347,20 @@ class FSDPModule:
         for unit in self._units(recurse=False):
             unit.sums_only = enable
 
+    def set_all_reduce_hook(self, hook, *, stream=None):
+        """Call hook(reduced flat grads) in place after this unit's reduce-scatter, or after HSDP's
+        all-reduce, before they become the sharded grads (FSDP2's). A stream of its own is not taken."""
+        if stream is not None:
+            raise NotImplementedError("set_all_reduce_hook(stream=...): fsdp_impl runs the hook where the "
+                                      "reduction finishes; leave stream unset")
+        self._fsdp_unit.all_reduce_hook = hook
+
+    def set_is_last_backward(self, is_last_backward):
+        """False: the next backward is not the step's last (microbatches of a pipeline), so its end
+        leaves the gradient reductions in flight; the last backward completes them (FSDP2's)."""
+        for unit in self._units():
+            unit.is_last_backward = is_last_backward
+
     def set_modules_to_forward_prefetch(self, modules):
         self._fsdp_unit.forward_prefetch = [m._fsdp_unit for m in modules]
 

@@ -14,7 +14,8 @@ GradReduction: one unit's gradients, from the unsharded grads backward leaves to
         │                waits at the end of backward. With the all-reduce off, the sums are kept
         │                and added to the next micro-step's (all_reduce_kept_sums() if it skips the unit)
         ▼
-    into_sharded_grads() each parameter's rows of the flat result become (or are added to) its
+    into_sharded_grads() (after set_all_reduce_hook's hook, and the division sum-only reductions leave)
+                         each parameter's rows of the flat result become (or are added to) its
                          sharded DTensor .grad; offloaded, copied to CPU memory first; then the
                          parameter's post-accumulate-grad hooks run
 
@@ -134,7 +135,7 @@ class GradReduction:
             work.wait()
             ledger.log("reduce_scatter_wait", u.name)
             if u.replicate_group is None:
-                self._into_sharded_grads(self._divided(output), params)
+                self._into_sharded_grads(self._divided(self._hooked(output)), params)
                 return
             if self.kept_sums is not None:
                 output, params = self._add_kept_sums(output, params)
@@ -174,7 +175,7 @@ class GradReduction:
         with profiled(f"fsdp::all_reduce_wait {self.unit.name}"):
             work.wait()
             ledger.log("all_reduce_wait", self.unit.name)
-            self._into_sharded_grads(self._divided(output), params)
+            self._into_sharded_grads(self._divided(self._hooked(output)), params)
 
     @torch.no_grad()
     def all_reduce_kept_sums(self):
@@ -184,7 +185,13 @@ class GradReduction:
             _, _, output, params = self.kept_sums
             self.kept_sums = None
             comm.all_reduce(output, self.unit.replicate_group, self.ops()[2]).wait()
-            self._into_sharded_grads(self._divided(output), params)
+            self._into_sharded_grads(self._divided(self._hooked(output)), params)
+
+    def _hooked(self, output):
+        """set_all_reduce_hook's hook, on the reduced flat output (after HSDP's all-reduce), in place."""
+        if self.unit.all_reduce_hook is not None:
+            self.unit.all_reduce_hook(output)
+        return output
 
     def _divided(self, output):
         """The reduced sums divided by what the collectives left undivided (sums-only reductions)."""

@@ -12,7 +12,7 @@ Schedule: the root's view of a training step, shared by all units under one root
 - An autograd callback at the end of backward runs the post-backward of units whose gate did
   not fire (no input that requires grad, such as the root's token ids; a unit unused in this
   step) and waits for every pending reduction, so the sharded .grads are complete when
-  backward() returns.
+  backward() returns (unless set_is_last_backward(False) says another backward follows).
 - Under CPU offload, two CUDA streams that carry the shards to the GPU and the grads back, and
   the unsharded grads the copy-out stream reads, held until the compute stream waits for it.
 - Gathered parameters never outlive an optimizer step, which changes the shards they copy: a
@@ -109,6 +109,13 @@ class Schedule:
     def end_of_backward(self):
         for unit in self.units:
             unit.post_backward(end_of_backward=True)  # no-op for units whose gate ran it already
+        if not self.root.is_last_backward:  # another backward of this step follows: it finishes them
+            for unit in self.units:
+                unit.training_state = IDLE
+                if unit.state == GATHERING:
+                    unit.reshard()
+            self.end_of_backward_queued = False
+            return
         self.finish_reductions()
         self.release_read()
         while self.pending_all_reduces:

@@ -89,6 +89,8 @@ class ShardedUnit:
         self.requires_all_reduce = True
         self.gradient_divide_factor = None  # None: average over the data-parallel ranks
         self.sums_only = False  # set_force_sum_reduction_for_comms: SUM collectives, a division after
+        self.all_reduce_hook = None  # called on the reduced flat grads, in place
+        self.is_last_backward = True  # the root's: False leaves the reductions in flight at the end of backward
         self.forward_prefetch = None  # None: the next unit in forward order; [] switches it off
         self.backward_prefetch = None
         # per-step state

@@ -691,6 +691,28 @@ def forward_method_registered(impl, mesh):
     return train(model, fwd_bwd)
 
 
+def all_reduce_hook_halves_the_grads(impl, mesh):
+    """set_all_reduce_hook on every sharded module: a hook that halves the reduced flat grads in
+    place (where a user would add a reduction of their own)."""
+    model = build(impl, mesh)
+    for module in every_fsdp_module(model):
+        module.set_all_reduce_hook(lambda reduced: reduced.mul_(0.5))
+    return train(model)
+
+
+def two_backwards_per_step_the_first_not_last(impl, mesh):
+    """Two backwards per step, the first after set_is_last_backward(False) (as a pipeline schedule's
+    microbatches): the second completes both one's reductions."""
+    def fwd_bwd(model, s):
+        if impl != "plain":
+            model.set_is_last_backward(False)
+        model(data(s, 0)).backward()
+        if impl != "plain":
+            model.set_is_last_backward(True)
+        model(data(s, 1)).backward()
+    return train(build(impl, mesh), fwd_bwd)
+
+
 FLOWS = [retain_graph, autograd_grad_then_backward, partial_no_grad_forward_before_step,
          partial_no_grad_forward_before_step_explicit_prefetch, reentrant_checkpoint, requires_grad_toggle,
          load_state_dict_assign, load_state_dict_assign_meta, grouped_unit_last_module_skipped,
@@ -709,7 +731,8 @@ FLOWS = [retain_graph, autograd_grad_then_backward, partial_no_grad_forward_befo
          optimizer_in_backward_on_sharded_params, cpu_offload_policy_on_a_cpu_mesh,
          chunked_loss_calls_a_grouped_units_head_alone, chunked_loss_with_the_units_other_module_skipped,
          grouped_units_member_run_alone_first, gradient_divide_factor_with_sum_reductions, sum_reductions_only,
-         gradient_divide_factor_on_the_root_only, forward_method_registered]
+         gradient_divide_factor_on_the_root_only, forward_method_registered, all_reduce_hook_halves_the_grads,
+         two_backwards_per_step_the_first_not_last]
 REFERENCE = {flow: "fsdp2" for flow in FLOWS} | {
     partial_no_grad_forward_before_step_explicit_prefetch: "plain", reset_after_exception_in_backward: "plain",
     reentrant_checkpoint_two_forwards: "plain", inference_mode_first_forward: "plain",

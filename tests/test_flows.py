@@ -39,8 +39,9 @@ here: a meta-device unit of which a rank holds nothing, an optimizer stepped fro
 parameters' post-accumulate-grad hooks, CPUOffloadPolicy on a CPU mesh, a grouped unit whose
 head a chunked loss calls alone, its other module skipped. FSDP2's API beyond train.py's: a
 gradient divide factor with sum-only collectives (on every module, and on the root alone: the
-setter is not recursive), sum-only collectives alone, and a block method registered as a forward
-(register_fsdp_forward_method).
+setter is not recursive), sum-only collectives alone, a block method registered as a forward
+(register_fsdp_forward_method), a hook on the reduced grads (set_all_reduce_hook), and two
+backwards per step, the first marked not last (set_is_last_backward).
 
 The reference is FSDP2, except in the flows where FSDP2 (torch 2.13) computes something else than
 plain PyTorch: with explicit forward-prefetch lists it uses the probe's all-gather from before the
@@ -88,7 +89,7 @@ FLOWS = ["retain_graph", "autograd_grad_then_backward", "partial_no_grad_forward
          "chunked_loss_with_the_units_other_module_skipped", "grouped_units_member_run_alone_first",
          # FSDP2's API beyond train.py's
          "gradient_divide_factor_with_sum_reductions", "sum_reductions_only", "gradient_divide_factor_on_the_root_only",
-         "forward_method_registered"]
+         "forward_method_registered", "all_reduce_hook_halves_the_grads", "two_backwards_per_step_the_first_not_last"]
 
 
 @pytest.fixture(scope="module")
