@@ -361,6 +361,18 @@ class FSDPModule:
         for unit in self._units():
             unit.is_last_backward = is_last_backward
 
+    def set_unshard_in_backward(self, unshard_in_backward):
+        """False: this unit's backward needs none of its parameters (an embedding's, say), so it is
+        not gathered for backward, nor prefetched (FSDP2's)."""
+        self._fsdp_unit.unshard_in_backward = unshard_in_backward
+
+    def set_post_optim_event(self, event):
+        """Accepted, with nothing to do: FSDP2 makes its gathers' stream wait on this event after the
+        optimizer step; fsdp_impl gathers on the compute stream, which runs after the step anyway."""
+
+    def _set_unshard_async_op(self, async_op):
+        """Accepted, with nothing to do: fsdp_impl's gathers are asynchronous collectives already."""
+
     def set_modules_to_forward_prefetch(self, modules):
         self._fsdp_unit.forward_prefetch = [m._fsdp_unit for m in modules]
 
@@ -382,6 +394,24 @@ def register_fsdp_forward_method(module, method_name):
         args, kwargs = _pre_forward(self, args, kwargs)
         return _post_forward(self, args, method(*args, **kwargs))
     setattr(module, method_name, as_forward.__get__(module, type(module)))
+
+
+def _not_supported(name, why):
+    def refuse(self, *args, **kwargs):
+        raise NotImplementedError(f"FSDPModule.{name}: not supported by fsdp_impl ({why})")
+    refuse.__name__ = name
+    return refuse
+
+
+for _name, _why in {
+        "set_custom_all_gather": "its collectives are its own",
+        "set_custom_reduce_scatter": "its collectives are its own",
+        "set_allocate_memory_from_process_group_for_comm": "buffers come from the caching allocator",
+        "set_symm_mem_for_comm": "no symmetric memory",
+        "set_separate_reduce_scatter_group": "one process group per mesh dim",
+        "set_reduce_scatter_max_input_buffers": "one reduce-scatter in flight, by design",
+        "set_reduce_scatter_unused_params": "unused parameters' grads are not reduce-scattered"}.items():
+    setattr(FSDPModule, _name, _not_supported(_name, _why))
 
 
 class _UnshardHandle:

@@ -91,6 +91,7 @@ class ShardedUnit:
         self.sums_only = False  # set_force_sum_reduction_for_comms: SUM collectives, a division after
         self.all_reduce_hook = None  # called on the reduced flat grads, in place
         self.is_last_backward = True  # the root's: False leaves the reductions in flight at the end of backward
+        self.unshard_in_backward = True  # False: backward needs none of its parameters (an embedding's)
         self.forward_prefetch = None  # None: the next unit in forward order; [] switches it off
         self.backward_prefetch = None
         # per-step state
@@ -421,9 +422,11 @@ class ShardedUnit:
         self.training_state = PRE_BACKWARD
         self.needs_post_backward = True  # also when an earlier backward through this graph took the grads
         self.schedule.queue_end_of_backward()
-        self.wait_unshard()
+        if self.unshard_in_backward:
+            self.wait_unshard()
         for unit in self.schedule.backward_prefetch(self):
-            unit.unshard()
+            if unit.unshard_in_backward:
+                unit.unshard()
         ledger.log("backward", self.name)
         self._phase_range = comm.begin_range(f"fsdp::backward {self.name}")
 

@@ -713,6 +713,17 @@ def two_backwards_per_step_the_first_not_last(impl, mesh):
     return train(build(impl, mesh), fwd_bwd)
 
 
+def input_layer_not_gathered_for_backward(impl, mesh):
+    """`inp` as a unit of its own with set_unshard_in_backward(False): its backward needs only its
+    input and its output's grad, not its weight, so it is not gathered again (FSDP2's); and
+    _set_unshard_async_op(True) on the root, which both take."""
+    model = build(impl, mesh, own_units=("inp",))
+    if impl != "plain":
+        model.inp.set_unshard_in_backward(False)
+        model._set_unshard_async_op(True)
+    return train(model)
+
+
 FLOWS = [retain_graph, autograd_grad_then_backward, partial_no_grad_forward_before_step,
          partial_no_grad_forward_before_step_explicit_prefetch, reentrant_checkpoint, requires_grad_toggle,
          load_state_dict_assign, load_state_dict_assign_meta, grouped_unit_last_module_skipped,
@@ -732,7 +743,7 @@ FLOWS = [retain_graph, autograd_grad_then_backward, partial_no_grad_forward_befo
          chunked_loss_calls_a_grouped_units_head_alone, chunked_loss_with_the_units_other_module_skipped,
          grouped_units_member_run_alone_first, gradient_divide_factor_with_sum_reductions, sum_reductions_only,
          gradient_divide_factor_on_the_root_only, forward_method_registered, all_reduce_hook_halves_the_grads,
-         two_backwards_per_step_the_first_not_last]
+         two_backwards_per_step_the_first_not_last, input_layer_not_gathered_for_backward]
 REFERENCE = {flow: "fsdp2" for flow in FLOWS} | {
     partial_no_grad_forward_before_step_explicit_prefetch: "plain", reset_after_exception_in_backward: "plain",
     reentrant_checkpoint_two_forwards: "plain", inference_mode_first_forward: "plain",
@@ -925,6 +936,26 @@ def what_is_refused(impl, mesh):
             "unnamed_2d_mesh": raised(lambda: SHARD[impl](nn.Linear(2, 2), mesh=unnamed_2d))}
 
 
+REFUSED_API = ["set_custom_all_gather", "set_custom_reduce_scatter", "set_allocate_memory_from_process_group_for_comm",
+               "set_symm_mem_for_comm", "set_separate_reduce_scatter_group", "set_reduce_scatter_max_input_buffers",
+               "set_reduce_scatter_unused_params"]
+
+
+def refused_api(impl, mesh):
+    """What each FSDPModule method fsdp_impl does not support raises (FSDP2: whether it has it)."""
+    model = build(impl, mesh)
+    if impl == "fsdp2":
+        return {name: callable(getattr(model, name, None)) for name in REFUSED_API}
+    res = {}
+    for name in REFUSED_API:
+        try:
+            getattr(model, name)(None)
+            res[name] = None
+        except Exception as e:
+            res[name] = {"type": type(e).__name__, "lines": len(str(e).splitlines())}
+    return res
+
+
 def slice_of_a_sharded_sequential(impl, mesh):
     """model[:2] of a sharded nn.Sequential: a plain Sequential of the same layers, not an FSDP module
     without FSDP state."""
@@ -1025,7 +1056,7 @@ def main():
     for check in (grouped_unit_output_dtypes, memory_report_of_uneven_shards, freed_after_del, fully_shard_twice,
                   list_argument_and_dropped_forward, inplace_on_a_view_output, late_unshard_handle_wait, deepcopy_of_a_sharded_model,
                   submodule_state_dict_while_gathered, meta_model_first_forward, graphs_of_compiled_blocks,
-                  what_is_refused, slice_of_a_sharded_sequential, jvp_through_a_sharded_model):
+                  what_is_refused, slice_of_a_sharded_sequential, jvp_through_a_sharded_model, refused_api):
         result[check.__name__] = {impl: check(impl, mesh) for impl in ("fsdp2", "ours")}
     # The last flow can kill the process (fsdp_impl segfaulted there). The other flows' results are
     # written first, then again with this flow's record: after a crash the report lacks it (and the

@@ -41,7 +41,8 @@ head a chunked loss calls alone, its other module skipped. FSDP2's API beyond tr
 gradient divide factor with sum-only collectives (on every module, and on the root alone: the
 setter is not recursive), sum-only collectives alone, a block method registered as a forward
 (register_fsdp_forward_method), a hook on the reduced grads (set_all_reduce_hook), and two
-backwards per step, the first marked not last (set_is_last_backward).
+backwards per step, the first marked not last (set_is_last_backward), and an input layer not
+gathered for backward (set_unshard_in_backward(False)).
 
 The reference is FSDP2, except in the flows where FSDP2 (torch 2.13) computes something else than
 plain PyTorch: with explicit forward-prefetch lists it uses the probe's all-gather from before the
@@ -89,7 +90,8 @@ FLOWS = ["retain_graph", "autograd_grad_then_backward", "partial_no_grad_forward
          "chunked_loss_with_the_units_other_module_skipped", "grouped_units_member_run_alone_first",
          # FSDP2's API beyond train.py's
          "gradient_divide_factor_with_sum_reductions", "sum_reductions_only", "gradient_divide_factor_on_the_root_only",
-         "forward_method_registered", "all_reduce_hook_halves_the_grads", "two_backwards_per_step_the_first_not_last"]
+         "forward_method_registered", "all_reduce_hook_halves_the_grads", "two_backwards_per_step_the_first_not_last",
+         "input_layer_not_gathered_for_backward"]
 
 
 @pytest.fixture(scope="module")
@@ -250,3 +252,11 @@ def test_jvp_through_a_sharded_model_computes_fsdp2s_numbers(report):
     r = report["jvp_through_a_sharded_model"]
     assert r["fsdp2"]["trains_after"], r["fsdp2"]  # the reference behaviour
     assert r["ours"] == r["fsdp2"], r
+
+
+def test_fsdp2_methods_fsdp_impl_lacks_are_refused_in_one_line(report):
+    """Each FSDPModule method FSDP2 has and fsdp_impl does not support (custom collectives, memory
+    and group knobs) raises NotImplementedError in one line, never a silent no-op."""
+    r = report["refused_api"]
+    assert all(r["fsdp2"].values()), r["fsdp2"]  # FSDP2 has each of them
+    assert r["ours"] == {name: {"type": "NotImplementedError", "lines": 1} for name in r["fsdp2"]}, r["ours"]
