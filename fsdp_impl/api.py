@@ -81,7 +81,7 @@ def _check(modules, mesh):
 
 
 def fully_shard(module, *, mesh=None, reshard_after_forward=None, mp_policy=MixedPrecisionPolicy(),
-                offload_policy=OffloadPolicy()):
+                offload_policy=OffloadPolicy(), ignored_params=None):
     """Shard `module`'s parameters (those no nested fully_shard took) over `mesh`'s last dim.
 
     reshard_after_forward: True frees the gathered parameters after forward (ZeRO-3), False keeps
@@ -90,6 +90,8 @@ def fully_shard(module, *, mesh=None, reshard_after_forward=None, mp_policy=Mixe
     offload_policy: CPUOffloadPolicy (ours or torch's) keeps the shards in CPU memory; the base
     OffloadPolicy() keeps them on the mesh's device, as on a CPU mesh any policy does.
     A 2-D mesh (replicate, shard) gives HSDP.
+    ignored_params: parameters left as they are, as FSDP2 leaves them: not sharded, not moved, their
+    gradients not reduced.
     As FSDP2's, it moves the modules' buffers to the mesh's device, and on CUDA the root's forward
     moves its inputs there.
     """
@@ -98,7 +100,7 @@ def fully_shard(module, *, mesh=None, reshard_after_forward=None, mp_policy=Mixe
     _check(modules, mesh)
     if not _offloads(offload_policy) or mesh.device_type == "cpu":
         offload_policy = None  # nothing to move: no policy, the base one, or a CPU mesh
-    unit = ShardedUnit(modules, mesh, reshard_after_forward, mp_policy, offload_policy)
+    unit = ShardedUnit(modules, mesh, reshard_after_forward, mp_policy, offload_policy, ignored_params or ())
     for m in modules:
         for sub in m.modules():  # units sharded before this one, inside it: this is their parent
             if hasattr(sub, "_fsdp_unit") and sub._fsdp_unit.parent is None:

@@ -67,8 +67,9 @@ def reshard_after_forward_flag(value, world):
 
 
 class ShardedUnit:
-    def __init__(self, modules, mesh, reshard_after_forward, mp_policy, offload_policy):
+    def __init__(self, modules, mesh, reshard_after_forward, mp_policy, offload_policy, ignored_params=()):
         self.modules = modules  # usually one; several consecutive blocks for size-based wrapping
+        self.ignored_params = set(ignored_params)  # left as they are: not sharded, their grads not reduced
         self.name = type(modules[0]).__name__  # the root renames units by their path at lazy init
         self.parent = None  # the unit of the next fully_shard() call that contains this one's modules
         self.mesh = mesh
@@ -127,7 +128,7 @@ class ShardedUnit:
         for module in self.modules:
             for sub in post_order(module, seen):
                 for name, p in sub._parameters.items():
-                    if p is None or p in nested:
+                    if p is None or p in nested or p in self.ignored_params:
                         continue
                     found.setdefault(p, []).append((sub, name))
         if any(hasattr(p, "_fsdp_sharded") for p in found):  # marked below by a nested unit
@@ -210,8 +211,6 @@ class ShardedUnit:
                                "forward: materialize them first (to_empty() and an init, or load_state_dict(assign=True))")
         self.param_dtype = self.mp.param_dtype or self.dtype
         self.reduce_dtype = self.mp.reduce_dtype or self.param_dtype
-        if self.reduce_dtype == torch.float16:
-            raise ValueError("reduce_dtype=float16 is not supported (overflow risk): use float32 or bfloat16")
         self.flat_full = torch.empty(self.world * self.shard_numel, dtype=self.param_dtype,
                                      device=self.compute_device)
         for ps in self.params:

@@ -135,10 +135,11 @@ class Net(nn.Module):
 
 
 def build(impl, mesh, seed=0, meta=False, grouped=False, frozen=(), bf16=False, output_dtype=None,
-          before_sharding=None, own_units=(), offload=None, **net_kw):
+          before_sharding=None, own_units=(), offload=None, root_kw=None, **net_kw):
     """Every block its own unit (grouped: blocks.0 alone, blocks.1 and .2 as one unit; "reversed":
     that unit listed as [blocks.2, blocks.1]), then the modules named in own_units, then the root.
-    reshard_after_forward is left at its default: True for the blocks in both."""
+    reshard_after_forward is left at its default: True for the blocks in both. root_kw(impl, model):
+    more fully_shard arguments for the root."""
     torch.manual_seed(seed)
     with torch.device("meta" if meta else "cpu"):
         model = Net(**net_kw)
@@ -153,8 +154,10 @@ def build(impl, mesh, seed=0, meta=False, grouped=False, frozen=(), bf16=False, 
     for unit in units + [model.get_submodule(name) for name in own_units] + [model]:
         mp = BF16[impl](param_dtype=torch.bfloat16, reduce_dtype=torch.float32, output_dtype=output_dtype) \
             if bf16 and impl != "plain" else None
+        more = root_kw(impl, model) if root_kw and unit is model and impl != "plain" else {}
         SHARD[impl](unit, mesh=mesh, **({"mp_policy": mp} if mp else {}),
-                    **({"offload_policy": OFFLOAD[impl](pin_memory=False)} if offload and impl != "plain" else {}))
+                    **({"offload_policy": OFFLOAD[impl](pin_memory=False)} if offload and impl != "plain" else {}),
+                    **more)
     return model
 
 
@@ -724,6 +727,18 @@ def input_layer_not_gathered_for_backward(impl, mesh):
     return train(model)
 
 
+def float16_reduction(impl, mesh):
+    """MixedPrecisionPolicy(reduce_dtype=float16) on the root (float32 parameters): the grads
+    reduced in float16, divided before and after the sum against overflow, as FSDP2 divides them."""
+    return train(build(impl, mesh, root_kw=lambda impl, model: {"mp_policy": BF16[impl](reduce_dtype=torch.float16)}))
+
+
+def ignored_parameter_stays_local(impl, mesh):
+    """fully_shard(model, ignored_params={out.bias}): that bias stays a plain parameter of this rank's,
+    trained on this rank's grads alone (rank 0's is compared)."""
+    return train(build(impl, mesh, root_kw=lambda impl, model: {"ignored_params": {model.out.bias}}))
+
+
 FLOWS = [retain_graph, autograd_grad_then_backward, partial_no_grad_forward_before_step,
          partial_no_grad_forward_before_step_explicit_prefetch, reentrant_checkpoint, requires_grad_toggle,
          load_state_dict_assign, load_state_dict_assign_meta, grouped_unit_last_module_skipped,
@@ -743,7 +758,8 @@ FLOWS = [retain_graph, autograd_grad_then_backward, partial_no_grad_forward_befo
          chunked_loss_calls_a_grouped_units_head_alone, chunked_loss_with_the_units_other_module_skipped,
          grouped_units_member_run_alone_first, gradient_divide_factor_with_sum_reductions, sum_reductions_only,
          gradient_divide_factor_on_the_root_only, forward_method_registered, all_reduce_hook_halves_the_grads,
-         two_backwards_per_step_the_first_not_last, input_layer_not_gathered_for_backward]
+         two_backwards_per_step_the_first_not_last, input_layer_not_gathered_for_backward, float16_reduction,
+         ignored_parameter_stays_local]
 REFERENCE = {flow: "fsdp2" for flow in FLOWS} | {
     partial_no_grad_forward_before_step_explicit_prefetch: "plain", reset_after_exception_in_backward: "plain",
     reentrant_checkpoint_two_forwards: "plain", inference_mode_first_forward: "plain",

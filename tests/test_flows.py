@@ -41,8 +41,9 @@ head a chunked loss calls alone, its other module skipped. FSDP2's API beyond tr
 gradient divide factor with sum-only collectives (on every module, and on the root alone: the
 setter is not recursive), sum-only collectives alone, a block method registered as a forward
 (register_fsdp_forward_method), a hook on the reduced grads (set_all_reduce_hook), and two
-backwards per step, the first marked not last (set_is_last_backward), and an input layer not
-gathered for backward (set_unshard_in_backward(False)).
+backwards per step, the first marked not last (set_is_last_backward), an input layer not
+gathered for backward (set_unshard_in_backward(False)), grads reduced in float16, and a parameter
+the root's fully_shard ignores.
 
 The reference is FSDP2, except in the flows where FSDP2 (torch 2.13) computes something else than
 plain PyTorch: with explicit forward-prefetch lists it uses the probe's all-gather from before the
@@ -91,7 +92,7 @@ FLOWS = ["retain_graph", "autograd_grad_then_backward", "partial_no_grad_forward
          # FSDP2's API beyond train.py's
          "gradient_divide_factor_with_sum_reductions", "sum_reductions_only", "gradient_divide_factor_on_the_root_only",
          "forward_method_registered", "all_reduce_hook_halves_the_grads", "two_backwards_per_step_the_first_not_last",
-         "input_layer_not_gathered_for_backward"]
+         "input_layer_not_gathered_for_backward", "float16_reduction", "ignored_parameter_stays_local"]
 
 
 @pytest.fixture(scope="module")
