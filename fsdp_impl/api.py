@@ -80,8 +80,9 @@ def _check(modules, mesh):
             raise AssertionError(f"fully_shard: this {type(m).__name__} was sharded already (once per module)")
 
 
-def fully_shard(module, *, mesh=None, reshard_after_forward=None, mp_policy=MixedPrecisionPolicy(),
-                offload_policy=OffloadPolicy(), ignored_params=None):
+def fully_shard(module, *, mesh=None, reshard_after_forward=None, shard_placement_fn=None,
+                mp_policy=MixedPrecisionPolicy(), offload_policy=OffloadPolicy(), ignored_params=None,
+                dp_mesh_dims=None):
     """Shard `module`'s parameters (those no nested fully_shard took) over `mesh`'s last dim.
 
     reshard_after_forward: True frees the gathered parameters after forward (ZeRO-3), False keeps
@@ -91,16 +92,21 @@ def fully_shard(module, *, mesh=None, reshard_after_forward=None, mp_policy=Mixe
     OffloadPolicy() keeps them on the mesh's device, as on a CPU mesh any policy does.
     A 2-D mesh (replicate, shard) gives HSDP.
     ignored_params: parameters left as they are, as FSDP2 leaves them: not sharded, not moved, their
-    gradients not reduced.
+    gradients not reduced. shard_placement_fn is taken where it asks for dim 0 (Shard(0) or None)
+    for every parameter; dp_mesh_dims is refused.
     As FSDP2's, it moves the modules' buffers to the mesh's device, and on CUDA the root's forward
     moves its inputs there.
     """
+    if dp_mesh_dims is not None:
+        raise NotImplementedError("fully_shard(dp_mesh_dims=...): fsdp_impl takes the data-parallel mesh itself "
+                                  "(1-D, or 2-D for HSDP), with tensor parallel parameters on a mesh of their own")
     mesh = _mesh_for(mesh)
     modules = list(module) if isinstance(module, (list, tuple)) else [module]
     _check(modules, mesh)
     if not _offloads(offload_policy) or mesh.device_type == "cpu":
         offload_policy = None  # nothing to move: no policy, the base one, or a CPU mesh
-    unit = ShardedUnit(modules, mesh, reshard_after_forward, mp_policy, offload_policy, ignored_params or ())
+    unit = ShardedUnit(modules, mesh, reshard_after_forward, mp_policy, offload_policy, ignored_params or (),
+                       shard_placement_fn)
     for m in modules:
         for sub in m.modules():  # units sharded before this one, inside it: this is their parent
             if hasattr(sub, "_fsdp_unit") and sub._fsdp_unit.parent is None:
@@ -124,6 +130,7 @@ def fully_shard(module, *, mesh=None, reshard_after_forward=None, mp_policy=Mixe
 
 
 _fsdp_classes = {}
+fully_shard.state = lambda module: module._fsdp_unit  # (fsdp_impl's ShardedUnit, not FSDP2's state object)
 
 
 @torch.inference_mode(False)  # (a first forward may run under it: these tensors outlive it)

@@ -67,9 +67,11 @@ def reshard_after_forward_flag(value, world):
 
 
 class ShardedUnit:
-    def __init__(self, modules, mesh, reshard_after_forward, mp_policy, offload_policy, ignored_params=()):
+    def __init__(self, modules, mesh, reshard_after_forward, mp_policy, offload_policy, ignored_params=(),
+                 shard_placement_fn=None):
         self.modules = modules  # usually one; several consecutive blocks for size-based wrapping
         self.ignored_params = set(ignored_params)  # left as they are: not sharded, their grads not reduced
+        self.shard_placement_fn = shard_placement_fn  # taken where it asks for dim 0
         self.name = type(modules[0]).__name__  # the root renames units by their path at lazy init
         self.parent = None  # the unit of the next fully_shard() call that contains this one's modules
         self.mesh = mesh
@@ -145,6 +147,10 @@ class ShardedUnit:
         for p, regs in found.items():
             if p.dim() == 0:
                 raise ValueError(f"fully_shard({self.name}): 0-dim parameter {regs[0][1]} is not supported")
+            placement = self.shard_placement_fn(p) if self.shard_placement_fn else None
+            if placement is not None and not (isinstance(placement, Shard) and placement.dim in (0, -p.dim())):
+                raise NotImplementedError(f"fully_shard({self.name}): shard_placement_fn asks {placement} for "
+                                          f"{regs[0][1]}; fsdp_impl shards dim 0 only")
             ps = ParamShard(regs, p, offset, self.world, self.rank, *self._sharded_placement(p))
             offset += ps.padded_numel
             self.params.append(ps)

@@ -33,7 +33,7 @@ from torch.distributed.fsdp import FSDPModule as FSDP2Module
 from torch.distributed.fsdp import MixedPrecisionPolicy as FSDP2MixedPrecision
 from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
 from torch.distributed.fsdp import register_fsdp_forward_method as fsdp2_register
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 from torch.utils.checkpoint import checkpoint
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -739,6 +739,13 @@ def ignored_parameter_stays_local(impl, mesh):
     return train(build(impl, mesh, root_kw=lambda impl, model: {"ignored_params": {model.out.bias}}))
 
 
+def shard_placement_fn_dim_0(impl, mesh):
+    """shard_placement_fn asking Shard(0) for the matrices and None (the default) for the rest: the
+    same sharding as without it."""
+    return train(build(impl, mesh, root_kw=lambda impl, model: {
+        "shard_placement_fn": lambda p: Shard(0) if p.dim() == 2 else None}))
+
+
 FLOWS = [retain_graph, autograd_grad_then_backward, partial_no_grad_forward_before_step,
          partial_no_grad_forward_before_step_explicit_prefetch, reentrant_checkpoint, requires_grad_toggle,
          load_state_dict_assign, load_state_dict_assign_meta, grouped_unit_last_module_skipped,
@@ -759,7 +766,7 @@ FLOWS = [retain_graph, autograd_grad_then_backward, partial_no_grad_forward_befo
          grouped_units_member_run_alone_first, gradient_divide_factor_with_sum_reductions, sum_reductions_only,
          gradient_divide_factor_on_the_root_only, forward_method_registered, all_reduce_hook_halves_the_grads,
          two_backwards_per_step_the_first_not_last, input_layer_not_gathered_for_backward, float16_reduction,
-         ignored_parameter_stays_local]
+         ignored_parameter_stays_local, shard_placement_fn_dim_0]
 REFERENCE = {flow: "fsdp2" for flow in FLOWS} | {
     partial_no_grad_forward_before_step_explicit_prefetch: "plain", reset_after_exception_in_backward: "plain",
     reentrant_checkpoint_two_forwards: "plain", inference_mode_first_forward: "plain",
@@ -952,6 +959,25 @@ def what_is_refused(impl, mesh):
             "unnamed_2d_mesh": raised(lambda: SHARD[impl](nn.Linear(2, 2), mesh=unnamed_2d))}
 
 
+def refused_arguments(impl, mesh):
+    """fully_shard with what fsdp_impl does not do: shard_placement_fn asking for dim 1, and
+    dp_mesh_dims. FSDP2: whether it trains; fsdp_impl: what it raises."""
+    from torch.distributed.fsdp import DataParallelMeshDims
+    cases = {"shard_placement_fn_dim_1": dict(shard_placement_fn=lambda p: Shard(1) if p.dim() == 2 else None),
+             "dp_mesh_dims": dict(mesh=init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("dp",)),
+                                  dp_mesh_dims=DataParallelMeshDims(shard="dp"))}
+    res = {}
+    for case, kw in cases.items():
+        try:
+            model = nn.Linear(2 * D, 2 * D)
+            SHARD[impl](model, **{"mesh": mesh, **kw})
+            model(torch.randn(4, 2 * D)).sum().backward()
+            res[case] = "trained"
+        except Exception as e:
+            res[case] = {"type": type(e).__name__, "lines": len(str(e).splitlines())}
+    return res
+
+
 REFUSED_API = ["set_custom_all_gather", "set_custom_reduce_scatter", "set_allocate_memory_from_process_group_for_comm",
                "set_symm_mem_for_comm", "set_separate_reduce_scatter_group", "set_reduce_scatter_max_input_buffers",
                "set_reduce_scatter_unused_params"]
@@ -1072,7 +1098,8 @@ def main():
     for check in (grouped_unit_output_dtypes, memory_report_of_uneven_shards, freed_after_del, fully_shard_twice,
                   list_argument_and_dropped_forward, inplace_on_a_view_output, late_unshard_handle_wait, deepcopy_of_a_sharded_model,
                   submodule_state_dict_while_gathered, meta_model_first_forward, graphs_of_compiled_blocks,
-                  what_is_refused, slice_of_a_sharded_sequential, jvp_through_a_sharded_model, refused_api):
+                  what_is_refused, slice_of_a_sharded_sequential, jvp_through_a_sharded_model, refused_api,
+                  refused_arguments):
         result[check.__name__] = {impl: check(impl, mesh) for impl in ("fsdp2", "ours")}
     # The last flow can kill the process (fsdp_impl segfaulted there). The other flows' results are
     # written first, then again with this flow's record: after a crash the report lacks it (and the

@@ -42,8 +42,8 @@ gradient divide factor with sum-only collectives (on every module, and on the ro
 setter is not recursive), sum-only collectives alone, a block method registered as a forward
 (register_fsdp_forward_method), a hook on the reduced grads (set_all_reduce_hook), and two
 backwards per step, the first marked not last (set_is_last_backward), an input layer not
-gathered for backward (set_unshard_in_backward(False)), grads reduced in float16, and a parameter
-the root's fully_shard ignores.
+gathered for backward (set_unshard_in_backward(False)), grads reduced in float16, a parameter
+the root's fully_shard ignores, and a shard_placement_fn that asks for dim 0.
 
 The reference is FSDP2, except in the flows where FSDP2 (torch 2.13) computes something else than
 plain PyTorch: with explicit forward-prefetch lists it uses the probe's all-gather from before the
@@ -92,7 +92,8 @@ FLOWS = ["retain_graph", "autograd_grad_then_backward", "partial_no_grad_forward
          # FSDP2's API beyond train.py's
          "gradient_divide_factor_with_sum_reductions", "sum_reductions_only", "gradient_divide_factor_on_the_root_only",
          "forward_method_registered", "all_reduce_hook_halves_the_grads", "two_backwards_per_step_the_first_not_last",
-         "input_layer_not_gathered_for_backward", "float16_reduction", "ignored_parameter_stays_local"]
+         "input_layer_not_gathered_for_backward", "float16_reduction", "ignored_parameter_stays_local",
+         "shard_placement_fn_dim_0"]
 
 
 @pytest.fixture(scope="module")
@@ -261,3 +262,12 @@ def test_fsdp2_methods_fsdp_impl_lacks_are_refused_in_one_line(report):
     r = report["refused_api"]
     assert all(r["fsdp2"].values()), r["fsdp2"]  # FSDP2 has each of them
     assert r["ours"] == {name: {"type": "NotImplementedError", "lines": 1} for name in r["fsdp2"]}, r["ours"]
+
+
+def test_fully_shard_arguments_fsdp_impl_lacks_are_refused_in_one_line(report):
+    """shard_placement_fn asking for another dim than 0 (FSDP2 trains it), and dp_mesh_dims: refused
+    at fully_shard time with NotImplementedError, in one line."""
+    r = report["refused_arguments"]
+    assert r["fsdp2"]["shard_placement_fn_dim_1"] == "trained", r  # the feature fsdp_impl lacks
+    assert r["ours"] == {case: {"type": "NotImplementedError", "lines": 1} for case in r["ours"]}, r["ours"]
+    assert set(r["ours"]) == {"shard_placement_fn_dim_1", "dp_mesh_dims"}
