@@ -154,10 +154,12 @@ def build(impl, mesh, seed=0, meta=False, grouped=False, frozen=(), bf16=False, 
     for unit in units + [model.get_submodule(name) for name in own_units] + [model]:
         mp = BF16[impl](param_dtype=torch.bfloat16, reduce_dtype=torch.float32, output_dtype=output_dtype) \
             if bf16 and impl != "plain" else None
-        more = root_kw(impl, model) if root_kw and unit is model and impl != "plain" else {}
-        SHARD[impl](unit, mesh=mesh, **({"mp_policy": mp} if mp else {}),
-                    **({"offload_policy": OFFLOAD[impl](pin_memory=False)} if offload and impl != "plain" else {}),
-                    **more)
+        kwargs = {"mp_policy": mp} if mp else {}
+        if offload and impl != "plain":
+            kwargs["offload_policy"] = OFFLOAD[impl](pin_memory=False)
+        if root_kw and unit is model and impl != "plain":
+            kwargs.update(root_kw(impl, model))
+        SHARD[impl](unit, mesh=mesh, **kwargs)
     return model
 
 
@@ -733,6 +735,30 @@ def float16_reduction(impl, mesh):
     return train(build(impl, mesh, root_kw=lambda impl, model: {"mp_policy": BF16[impl](reduce_dtype=torch.float16)}))
 
 
+def bf16_without_casting_forward_inputs(impl, mesh):
+    """bf16 parameters everywhere, the root's MixedPrecisionPolicy with cast_forward_inputs=False:
+    the root takes its input as given (bf16 here), the blocks still cast theirs."""
+    model = build(impl, mesh, bf16=True, root_kw=lambda impl, model: {
+        "mp_policy": BF16[impl](param_dtype=torch.bfloat16, reduce_dtype=torch.float32, cast_forward_inputs=False)})
+
+    def fwd_bwd(model, s):
+        model(data(s).bfloat16()).float().backward()
+    return train(model, fwd_bwd)
+
+
+def root_input_dtype_seen(impl, mesh):
+    """The dtype the root's forward receives for a float32 input, with cast_forward_inputs True and
+    False (bf16 parameters): a hook registered after fully_shard's records it, then casts."""
+    seen = {}
+    for cast in (True, False):
+        model = build(impl, mesh, bf16=True, root_kw=lambda impl, model, cast=cast: {"mp_policy": BF16[impl](
+            param_dtype=torch.bfloat16, reduce_dtype=torch.float32, cast_forward_inputs=cast)})
+        model.register_forward_pre_hook(lambda module, args, cast=cast: (
+            seen.__setitem__(f"cast_forward_inputs={cast}", str(args[0].dtype)), (args[0].bfloat16(),))[1])
+        model(data(0)).float().backward()
+    return seen
+
+
 def ignored_parameter_stays_local(impl, mesh):
     """fully_shard(model, ignored_params={out.bias}): that bias stays a plain parameter of this rank's,
     trained on this rank's grads alone (rank 0's is compared)."""
@@ -766,7 +792,7 @@ FLOWS = [retain_graph, autograd_grad_then_backward, partial_no_grad_forward_befo
          grouped_units_member_run_alone_first, gradient_divide_factor_with_sum_reductions, sum_reductions_only,
          gradient_divide_factor_on_the_root_only, forward_method_registered, all_reduce_hook_halves_the_grads,
          two_backwards_per_step_the_first_not_last, input_layer_not_gathered_for_backward, float16_reduction,
-         ignored_parameter_stays_local, shard_placement_fn_dim_0]
+         ignored_parameter_stays_local, shard_placement_fn_dim_0, bf16_without_casting_forward_inputs]
 REFERENCE = {flow: "fsdp2" for flow in FLOWS} | {
     partial_no_grad_forward_before_step_explicit_prefetch: "plain", reset_after_exception_in_backward: "plain",
     reentrant_checkpoint_two_forwards: "plain", inference_mode_first_forward: "plain",
@@ -1099,7 +1125,7 @@ def main():
                   list_argument_and_dropped_forward, inplace_on_a_view_output, late_unshard_handle_wait, deepcopy_of_a_sharded_model,
                   submodule_state_dict_while_gathered, meta_model_first_forward, graphs_of_compiled_blocks,
                   what_is_refused, slice_of_a_sharded_sequential, jvp_through_a_sharded_model, refused_api,
-                  refused_arguments):
+                  refused_arguments, root_input_dtype_seen):
         result[check.__name__] = {impl: check(impl, mesh) for impl in ("fsdp2", "ours")}
     # The last flow can kill the process (fsdp_impl segfaulted there). The other flows' results are
     # written first, then again with this flow's record: after a crash the report lacks it (and the

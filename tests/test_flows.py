@@ -43,7 +43,8 @@ setter is not recursive), sum-only collectives alone, a block method registered 
 (register_fsdp_forward_method), a hook on the reduced grads (set_all_reduce_hook), and two
 backwards per step, the first marked not last (set_is_last_backward), an input layer not
 gathered for backward (set_unshard_in_backward(False)), grads reduced in float16, a parameter
-the root's fully_shard ignores, and a shard_placement_fn that asks for dim 0.
+the root's fully_shard ignores, a shard_placement_fn that asks for dim 0, and bf16 with the
+root's forward inputs left uncast (cast_forward_inputs=False).
 
 The reference is FSDP2, except in the flows where FSDP2 (torch 2.13) computes something else than
 plain PyTorch: with explicit forward-prefetch lists it uses the probe's all-gather from before the
@@ -93,7 +94,7 @@ FLOWS = ["retain_graph", "autograd_grad_then_backward", "partial_no_grad_forward
          "gradient_divide_factor_with_sum_reductions", "sum_reductions_only", "gradient_divide_factor_on_the_root_only",
          "forward_method_registered", "all_reduce_hook_halves_the_grads", "two_backwards_per_step_the_first_not_last",
          "input_layer_not_gathered_for_backward", "float16_reduction", "ignored_parameter_stays_local",
-         "shard_placement_fn_dim_0"]
+         "shard_placement_fn_dim_0", "bf16_without_casting_forward_inputs"]
 
 
 @pytest.fixture(scope="module")
@@ -271,3 +272,9 @@ def test_fully_shard_arguments_fsdp_impl_lacks_are_refused_in_one_line(report):
     assert r["fsdp2"]["shard_placement_fn_dim_1"] == "trained", r  # the feature fsdp_impl lacks
     assert r["ours"] == {case: {"type": "NotImplementedError", "lines": 1} for case in r["ours"]}, r["ours"]
     assert set(r["ours"]) == {"shard_placement_fn_dim_1", "dp_mesh_dims"}
+
+
+def test_cast_forward_inputs_decides_the_dtype_the_root_receives(report):
+    r = report["root_input_dtype_seen"]
+    assert r["fsdp2"] == {"cast_forward_inputs=True": "torch.bfloat16", "cast_forward_inputs=False": "torch.float32"}, r
+    assert r["ours"] == r["fsdp2"], r
