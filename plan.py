@@ -563,6 +563,7 @@ def main(argv):
             print(f"planning {backend_name} at W={world}, rank {rank}", file=sys.stderr, flush=True)
             try:
                 row = in_child(plan, settings, backend_name, world, rank)
+                row["fits"] = row["max_batch_size"] = None  # (no GPU memory given: no question asked)
                 if limit is not None:
                     row["fits"] = row["reserved_bytes"] <= limit
                     row["max_batch_size"] = largest_batch(settings, backend_name, world, rank, row, limit)
