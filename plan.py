@@ -23,6 +23,7 @@ tests hold the plan to the CPU allocator's own count). The GPU's reserve is CUDA
 allocator replayed over them. Not modelled yet: CUDA's kernels and their scratch, autocast on
 CUDA, several streams, CUDA's context and cuBLAS's and NCCL's buffers.
 """
+import bisect
 import os
 import sys
 import time
@@ -39,7 +40,7 @@ from backends import BACKENDS, BackendError, DDPBackend, make_backend
 from model import GPT, GPTConfig
 
 PLAN_FLAGS = {"nproc": "1,2,4,8", "rank": 0, "json": "", "png": "", "gpu": "", "gpu_mem_gib": ""}  # plan.py's own settings, beside train.py's
-ROLES = ("parameters", "gradients", "optimizer_state", "gathered_parameters", "communication", "activations")
+ROLES = ("parameters", "gradients", "optimizer_state", "gathered_parameters", "communication", "activations", "other")
 
 
 def train_settings(argv):
@@ -105,6 +106,8 @@ class Allocations(TorchDispatchMode):
         self.comm_storages = set()  # storage ids a collective read or wrote
         self._orig_resize = self._orig_rng_state = None
         self.trace = []  # (storage number, its bytes now: 0 once freed), for the caching allocator's model
+        self.marks = []  # (index in the trace, where): each phase's start
+        self.peak_index = 0  # the trace's length at the peak
         self.live_ids = []  # (one slot per storage ever seen: its number)
 
     def __enter__(self):
@@ -183,13 +186,36 @@ class Allocations(TorchDispatchMode):
         self.allocated += delta
         if self.allocated > self.peak:
             self.peak, self.peak_where, self.after_peak = self.allocated, self.where, True
+            self.peak_index = len(self.trace)
 
     def snapshot_if_at_peak(self):
         """Record what is live at the peak just reached (called before the first free after it)."""
         if self.after_peak:
             self.after_peak = False
-            self.peak_live = {k: v[0] for k, v in self.live.items()}
-            self.peak_roles = self.roles() if self.roles else {}
+            self.peak_live = {v[2]: v[0] for v in self.live.values()}  # (by storage number)
+            self.peak_roles = {self.live[k][2]: role for k, role in (self.roles() if self.roles else {}).items()
+                               if k in self.live}
+
+    def made_of(self):
+        """The peak's bytes by role. A storage no role names is a gradient if a backward made it and
+        it outlived that backward (grads kept for accumulation, reduced ones on their way), an
+        activation if forward made it or it died within its backward, else other."""
+        born, died, marks = {}, {}, [index for index, _ in self.marks]
+        for index, (number, nbytes) in enumerate(self.trace):
+            born.setdefault(number, index)
+            if nbytes == 0 and number not in died:
+                died[number] = index
+        made_of = dict.fromkeys(ROLES, 0)
+        for number, nbytes in self.peak_live.items():
+            role = self.peak_roles.get(number)
+            if role is None:
+                phase = bisect.bisect_right(marks, born[number]) - 1
+                where = self.marks[phase][1] if phase >= 0 else "setup"
+                end = marks[phase + 1] if phase + 1 < len(marks) else len(self.trace)
+                role = ("activations" if " forward " in where or died.get(number, len(self.trace)) < end else
+                        "gradients") if " forward " in where or " backward " in where else "other"
+            made_of[role] += nbytes
+        return made_of
 
     def _collective(self, func, args):
         """Bytes through each collective (the larger of its input and output: what a rank sends or
@@ -298,6 +324,8 @@ def roles(model, optimizer, comm_storages):
                 role.setdefault(storage_id(p), "gathered_parameters")
                 if p.grad is not None:
                     role.setdefault(storage_id(p.grad), "gradients")
+    for bucket in getattr(model, "_planned_ddp_buckets", ()):  # DDP's gradient buckets
+        role.setdefault(storage_id(bucket), "gradients")
     for key in comm_storages:
         role.setdefault(key, "communication")
     return role
@@ -394,6 +422,7 @@ def steps(counter, settings, back, model, local_steps, fake):
         def mark(where, step=step):
             counter.snapshot_if_at_peak()
             counter.where = f"step {step + 1} {where}"
+            counter.marks.append((len(counter.trace), counter.where))
             if step == 1 and where == "zero_grad":  # the gradients are still there
                 state.append(state_bytes(optimizer))
         if step == 1:
@@ -438,9 +467,7 @@ def plan(settings, backend_name, world, rank):
     """One backend at W ranks, as rank `rank`: the row plan.py reports."""
     started = time.time()
     counter, state, local_steps = run(settings, backend_name, world, rank)
-    made_of = dict.fromkeys(ROLES, 0)
-    for key, nbytes in counter.peak_live.items():
-        made_of[counter.peak_roles.get(key, "activations")] += nbytes
+    made_of = counter.made_of()
     cuda = CachingAllocatorModel().replay(counter.trace)
     return {"backend": backend_name, "nproc": world, "rank": rank, "micro_steps": local_steps,
             "peak_allocated_bytes": counter.peak, "cuda_allocated_bytes": cuda.peak_allocated,

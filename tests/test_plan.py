@@ -125,6 +125,9 @@ def test_plan_prints_a_table_and_writes_json(tmp_path, data):
         assert r["fits"] is None and r["max_batch_size"] is None  # (no GPU given)
         assert r["reserved_bytes"] >= r["peak_allocated_bytes"] >= r["state_bytes"] > 0
         assert sum(r["peak_made_of"].values()) == r["peak_allocated_bytes"]
+        # 4 micro-steps over W ranks: gradient sync is off in all but the last, so each rank keeps
+        # the whole model's unsharded float32 grads, W times its float32 shards
+        assert r["micro_steps"] > 1 and r["peak_made_of"]["gradients"] >= r["nproc"] * r["peak_made_of"]["parameters"]
     assert "custom_fsdp" in res.stdout and "planning custom_fsdp at W=2" in res.stderr
     assert "compile=True is planned as eager" in res.stdout
     assert (tmp_path / "plan.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
