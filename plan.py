@@ -489,7 +489,7 @@ def build_with(back, model, settings, plain_ddp=False):
     """The model wrapped (sharded, materialized) through backends.py and its optimizer, as train.py
     builds them. plain_ddp: DDP's model without its C++ reducer, which reads tensor data (fake
     tensors have none); the reducer's buckets are added as bytes of their own."""
-    if plain_ddp and backend_name_of(back) == "ddp" and back.world_size > 1:
+    if plain_ddp and isinstance(back, DDPBackend) and back.world_size > 1:
         back.world_size = 1  # (the plain model: what DDP wraps)
         back, model, optimizer = build_with(back, model, settings)
         ddp_buckets(model)
@@ -500,10 +500,6 @@ def build_with(back, model, settings, plain_ddp=False):
         settings["weight_decay"], settings["learning_rate"], (settings["beta1"], settings["beta2"]),
         back.optimizer_class)
     return back, model, optimizer
-
-
-def backend_name_of(back):
-    return "ddp" if isinstance(back, DDPBackend) else "fsdp"
 
 
 def ddp_buckets(model):
@@ -524,8 +520,7 @@ def state_bytes(optimizer):
         for p in group["params"]:
             for t in (p, p.grad, *optimizer.state.get(p, {}).values()):
                 if isinstance(t, torch.Tensor):
-                    local = getattr(t, "_local_tensor", t)
-                    sizes[local.untyped_storage()._cdata] = local.untyped_storage().nbytes()
+                    sizes[storage_id(t)] = getattr(t, "_local_tensor", t).untyped_storage().nbytes()
     return sum(sizes.values())
 
 

@@ -11,6 +11,7 @@ calls run on gloo and NCCL, so the CPU tests exercise what GPU users run.
 events (all-gather issued / waited, forward / backward of a unit, reduce-scatter issued /
 waited, free). Logging costs one `if` per event when off.
 """
+import functools
 from contextlib import nullcontext
 
 import torch
@@ -111,6 +112,7 @@ def all_reduce(tensor, group, op=dist.ReduceOp.AVG):
     return dist.all_reduce(tensor, op=op, group=group, async_op=True)
 
 
+@functools.lru_cache(maxsize=None)  # (asked per unit and step: the answer depends on settings alone)
 def reduction_ops(shard_size, replicas, dtype, factor=None, sums_only=False):
     """How gradients are averaged: (divide the input by, reduce-scatter op, all-reduce op, divide the
     result by), as FSDP2's. In float32 and bfloat16 the collectives divide (AVG, or NCCL's

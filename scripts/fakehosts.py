@@ -203,14 +203,12 @@ def train_settings(argv):
 
 
 def parameter_count(settings):
-    """Parameters of the model the settings describe, built on the meta device (no memory). The
-    vocabulary is the data's (meta.pkl), else GPT-2's padded 50304, as train.py's."""
-    import pickle
-
+    """Parameters of the model the settings describe, built on the meta device (no memory), with
+    the vocabulary train.py takes (plan.vocab_size)."""
     import torch
     from model import GPT, GPTConfig
-    meta = Path(settings["data_dir"] or Path("data") / settings["dataset"]) / "meta.pkl"
-    vocab = pickle.loads(meta.read_bytes())["vocab_size"] if meta.exists() else 50304
+    from plan import vocab_size
+    vocab = vocab_size(settings)
     shape = {k: settings[k] for k in ("n_layer", "n_head", "n_embd", "block_size", "bias")}
     with torch.device("meta"):
         model = GPT(GPTConfig(**shape, vocab_size=vocab))
