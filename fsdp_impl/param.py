@@ -44,7 +44,7 @@ class ParamShard:
     A tensor parallel parameter (a DTensor on a tp mesh) is sharded by its local tensor: `shape` is
     that tensor's, and the sharded DTensor spans the dp and tp dims together (FSDP2's layout)."""
 
-    def __init__(self, registrations, param, offset, world, rank, mesh, placements):
+    def __init__(self, registrations, param, world, rank, mesh, placements):
         self.registrations = registrations  # [(module, attribute name)], several when tied
         self.tp_spec = param._spec if isinstance(param, DTensor) else None
         self.shape = param._local_tensor.shape if self.tp_spec else param.shape  # what the dp group shards
@@ -55,7 +55,7 @@ class ParamShard:
         self.local_shape = (max(0, min(rows, self.shape[0] - rank * rows)),) + tuple(self.shape[1:])
         self.local_numel = math.prod(self.local_shape)
         self.first_row = rank * rows
-        self.offset = offset  # in flat_shard; in flat_full it is offset * world
+        self.dtype, self.offset, self.slot = param.dtype, None, None  # its place in flat_shard: the unit lays them out
         self.mesh, self.placements = mesh, placements  # of the sharded DTensor
         self.global_shape = param.shape  # a DTensor's: the whole parameter's, over every mesh dim
         self.sharded = None  # nn.Parameter(DTensor)

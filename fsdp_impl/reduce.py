@@ -204,7 +204,7 @@ class GradReduction:
         if u.offload:
             output = self._copy_out(output, adding=any(ps.sharded.grad is not None for ps in params))
         else:
-            output = output.to(u.dtype)
+            output = output.to(u.grad_dtype)
         # each grad one as_strided view (a slice and a view would be two ops, per parameter and step,
         # on the host-bound path); it reads the storage itself, so the flat output must be contiguous
         assert output.is_contiguous()
@@ -232,7 +232,7 @@ class GradReduction:
         the copy runs on a stream of its own, beside the backward of the units still to come, and
         wait_copy_out() ends it before anything reads them (FSDP2 too copies asynchronously only then)."""
         u = self.unit
-        host = torch.empty(output.numel(), dtype=u.dtype, pin_memory=u.pin_memory)
+        host = torch.empty(output.numel(), dtype=u.grad_dtype, pin_memory=u.pin_memory)
         copy_out = u.schedule.offload_streams[1]
         copy_out.wait_stream(torch.cuda.current_stream())
         if adding or not u.pin_memory:

@@ -6,7 +6,8 @@ Memory layout (W ranks in the shard group, rank r):
     flat_shard   [S]        this rank's piece of every parameter, each padded to ceil(dim0/W)
                             rows, back to back. Sharded parameters (DTensor, Shard(0)) are views
                             into it, so the optimizer updates it in place and it is the all-gather
-                            input with no copy (in fp32; one cast with mixed precision).
+                            input with no copy (in fp32; one cast with mixed precision). Of a
+                            unit with parameters of several dtypes (LoRA's), it holds bytes.
     all-gather   [W, S]     rank-major, as the collective writes it; copied out once into
     flat_full    [W * S]    parameter-major: parameter i's full (padded) tensor is contiguous, and
                             the unsharded parameters used by forward/backward are views into it.
@@ -52,6 +53,14 @@ class Gather(NamedTuple):
     output: torch.Tensor
     input: torch.Tensor
     copied_in: object  # offload: the copy-in stream's event after the shard's copy, else None
+
+
+def typed_view(flat, start, numel, dtype):
+    """`numel` elements of `dtype` from element `start` of a flat buffer: flat's own elements, or,
+    for a parameter of another dtype in a byte buffer, its bytes viewed as that dtype."""
+    if flat.dtype == dtype:
+        return flat[start:start + numel]
+    return flat[start:start + numel * dtype.itemsize].view(dtype)
 
 
 def reshard_after_forward_flag(value, world):
@@ -142,8 +151,7 @@ class ShardedUnit:
 
     def _shard(self):
         found = self._managed_params()
-        self.dtype = self._common_dtype(found)
-        self.params, offset = [], 0
+        self.params = []
         for p, regs in found.items():
             if p.dim() == 0:
                 raise ValueError(f"fully_shard({self.name}): 0-dim parameter {regs[0][1]} is not supported")
@@ -151,10 +159,8 @@ class ShardedUnit:
             if placement is not None and not (isinstance(placement, Shard) and placement.dim in (0, -p.dim())):
                 raise NotImplementedError(f"fully_shard({self.name}): shard_placement_fn asks {placement} for "
                                           f"{regs[0][1]}; fsdp_impl shards dim 0 only")
-            ps = ParamShard(regs, p, offset, self.world, self.rank, *self._sharded_placement(p))
-            offset += ps.padded_numel
-            self.params.append(ps)
-        self.shard_numel = offset
+            self.params.append(ParamShard(regs, p, self.world, self.rank, *self._sharded_placement(p)))
+        self._lay_out([p.dtype for p in found])
         on_meta = any(p.is_meta for p in found)
         self.flat_shard = self._new_flat_shard(torch.device("meta") if on_meta else self.compute_device)
         for ps, p in zip(self.params, found):
@@ -164,6 +170,19 @@ class ShardedUnit:
                 self._local_view(ps).view(-1, max(ps.row_numel, 1)).copy_(rows)
             ps.sharded = nn.Parameter(ps.as_sharded(self._local_view(ps)), requires_grad=p.requires_grad)
         self._register(unsharded=False)
+
+    def _lay_out(self, dtypes):
+        """Each parameter's place in flat_shard (`offset`, `slot`: in flat_shard's elements). One dtype:
+        its elements, back to back. Several (a frozen bf16 base beside fp32 adapters, as in LoRA):
+        bytes, each place starting 16-byte aligned, so that it views as its own dtype."""
+        self.mixed = mixed = len(set(dtypes)) > 1
+        self.dtype = torch.uint8 if mixed else dtypes[0] if dtypes else torch.float32
+        offset = 0
+        for ps, dtype in zip(self.params, dtypes):
+            ps.dtype, ps.offset = dtype, -(-offset // 16) * 16 if mixed else offset
+            ps.slot = ps.padded_numel * dtype.itemsize if mixed else ps.padded_numel
+            offset = ps.offset + ps.slot
+        self.shard_numel = offset
 
     def _sharded_placement(self, param):
         """(mesh, placements) of a parameter's sharded DTensor. A tensor parallel parameter's mesh is
@@ -189,12 +208,6 @@ class ShardedUnit:
                     if buffer is not None and not buffer.is_meta and buffer.device != self.compute_device:
                         sub._buffers[name] = buffer.to(self.compute_device)
 
-    def _common_dtype(self, params):
-        dtypes = {p.dtype for p in params}
-        if len(dtypes) > 1:
-            raise ValueError(f"fully_shard({self.name}): parameters of one unit must share a dtype, got {dtypes}")
-        return dtypes.pop() if dtypes else torch.float32
-
     def _new_flat_shard(self, device):
         if self.offload and device.type != "meta":
             flat = torch.zeros(self.shard_numel, dtype=self.dtype, device="cpu")
@@ -203,7 +216,7 @@ class ShardedUnit:
 
     def _local_view(self, ps, flat=None):
         flat = self.flat_shard if flat is None else flat
-        return flat[ps.offset:ps.offset + ps.local_numel].view(ps.local_shape)
+        return typed_view(flat, ps.offset, ps.local_numel, ps.dtype).view(ps.local_shape)
 
     def lazy_init(self, schedule, is_root):
         """Called once by the root before the first forward, on the final device."""
@@ -215,22 +228,50 @@ class ShardedUnit:
         if any(ps.sharded.is_meta for ps in self.params):
             raise RuntimeError(f"fully_shard: parameters of {self.name} are still on the meta device at the first "
                                "forward: materialize them first (to_empty() and an init, or load_state_dict(assign=True))")
-        self.param_dtype = self.mp.param_dtype or self.dtype
-        self.reduce_dtype = self.mp.reduce_dtype or self.param_dtype
-        self.flat_full = torch.empty(self.world * self.shard_numel, dtype=self.param_dtype,
+        self._init_dtypes()
+        self.flat_full = torch.empty(self.world * self.gather_numel, dtype=self.gather_dtype,
                                      device=self.compute_device)
         for ps in self.params:
-            start = ps.offset * self.world
-            view = self.flat_full[start:start + math.prod(ps.shape)].view(ps.shape)
-            ps.unsharded = UnshardedParam(view, ps)
-        # each parameter's padded full tensor as [W, rows per rank * row numel]: where the copy out of
-        # the rank-major all-gather output puts its pieces
-        self._padded_numels = [ps.padded_numel for ps in self.params]
-        self._full_slots = [self.flat_full[ps.offset * self.world:(ps.offset + ps.padded_numel) * self.world]
-                            .view(self.world, -1) for ps in self.params]
+            view = typed_view(self.flat_full, ps.gather_offset * self.world, math.prod(ps.shape), ps.gather_dtype)
+            ps.unsharded = UnshardedParam(view.view(ps.shape), ps)
+        # each parameter's padded full tensor as [W, its slot], and the alignment gaps of a byte buffer
+        # between them: where the copy out of the rank-major all-gather output puts its pieces
+        self._slots, self._full_slots, cursor = [], [], 0
+        for ps in self.params:
+            gap = ((cursor, ps.gather_offset - cursor),) if ps.gather_offset > cursor else ()
+            for start, size in gap + ((ps.gather_offset, ps.gather_slot),):
+                self._slots.append(size)
+                full = self.flat_full[start * self.world:(start + size) * self.world]
+                self._full_slots.append(full.view(self.world, -1))
+            cursor = ps.gather_offset + ps.gather_slot
         self._full_bytes = self.flat_full.untyped_storage().nbytes()
         self.flat_full.untyped_storage().resize_(0)
         self._sync_requires_grad()
+
+    def _init_dtypes(self):
+        """The dtypes of the all-gather, of compute and of the reductions, as FSDP2 picks them.
+
+        Each parameter is gathered in param_dtype if it is floating point, else its own. One gather
+        dtype over a flat shard of several (LoRA's, with mixed precision): the gather packs their
+        casts into a buffer of its own (`repack`). Several: the gather moves flat_shard's bytes."""
+        for ps in self.params:
+            floating = self.mp.param_dtype is not None and ps.dtype.is_floating_point
+            ps.gather_dtype = self.mp.param_dtype if floating else ps.dtype
+        gather_dtypes = {ps.gather_dtype for ps in self.params}
+        self.repack = self.mixed and len(gather_dtypes) == 1
+        self.gather_dtype = gather_dtypes.pop() if len(gather_dtypes) == 1 else torch.uint8
+        self.gather_numel = 0
+        for ps in self.params:
+            ps.gather_offset, ps.gather_slot = ((self.gather_numel, ps.padded_numel) if self.repack
+                                                else (ps.offset, ps.slot))
+            self.gather_numel = ps.gather_offset + ps.gather_slot
+        trainable = {ps.dtype for ps in self.params if ps.requires_grad}
+        if len(trainable) > 1:  # (FSDP2's exception type: its unit-level gradient dtype is one)
+            raise AssertionError(f"fully_shard({self.name}): parameters that require grad must share a dtype, "
+                                 f"got {trainable}")
+        self.grad_dtype = trainable.pop() if trainable else self.params[0].dtype if self.params else torch.float32
+        self.param_dtype = self.mp.param_dtype or self.grad_dtype
+        self.reduce_dtype = self.mp.reduce_dtype or self.param_dtype
 
     @torch.no_grad()  # (with grad on, the copy would record a graph back to the replaced tensors, keeping them)
     def _adopt_materialized_params(self):
@@ -240,7 +281,7 @@ class ShardedUnit:
             return
         if any(ps.sharded.is_meta for ps in self.params):
             return  # a load into a meta model under way: the hook of its last module adopts them all
-        self.dtype = self._common_dtype(ps.sharded for ps in self.params)  # module.to(dtype) may change it
+        self._lay_out([ps.sharded.dtype for ps in self.params])  # module.to(dtype) may change it
         flat = self._new_flat_shard(self.params[0].sharded.device)
         for ps in self.params:
             local = self._local_view(ps, flat)
@@ -287,15 +328,20 @@ class ShardedUnit:
         with profiled(f"fsdp::all_gather {self.name}"), on_stream(copy_in):
             ledger.log("all_gather", self.name)
             shard = self.flat_shard
-            if self.world > 1 and (shard.dtype != self.param_dtype or shard.device != self.compute_device):
-                shard = shard.to(self.compute_device, self.param_dtype, non_blocking=True)
+            if self.repack:  # each parameter's shard cast into its place (the padding is never read)
+                shard = torch.empty(self.gather_numel, dtype=self.gather_dtype, device=self.compute_device)
+                torch._foreach_copy_([shard[ps.gather_offset:ps.gather_offset + ps.local_numel] for ps in self.params],
+                                     [ps.sharded._local_tensor.view(-1) for ps in self.params], non_blocking=True)
+            elif self.world > 1 and (shard.dtype != self.gather_dtype or shard.device != self.compute_device):
+                shard = shard.to(self.compute_device, self.gather_dtype, non_blocking=True)
             if self.world == 1:
                 # one rank: the shard already has the full layout, so the "all-gather" copies
                 # (and casts) it straight into the unsharded parameters, with no copy-out
                 self._fill_flat_full()
                 output = self.flat_full
             else:
-                output = torch.empty(self.world * self.shard_numel, dtype=self.param_dtype, device=self.compute_device)
+                output = torch.empty(self.world * self.gather_numel, dtype=self.gather_dtype,
+                                     device=self.compute_device)
             # writing into the unsharded parameters bumps their version counter; autograd saved
             # these same tensors in forward and must not see that as an in-place change (the
             # copy-out below is guarded the same way)
@@ -321,7 +367,7 @@ class ShardedUnit:
             if output is not self.flat_full:  # copy out of the rank-major all-gather buffer
                 self._fill_flat_full()
                 with torch.autograd._unsafe_preserve_version_counter(self.flat_full):
-                    torch.split_with_sizes_copy(output.view(self.world, self.shard_numel), self._padded_numels,
+                    torch.split_with_sizes_copy(output.view(self.world, self.gather_numel), self._slots,
                                                 dim=1, out=self._full_slots)
         self._register(unsharded=True)
         self.state = UNSHARDED

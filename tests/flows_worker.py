@@ -90,8 +90,8 @@ class Block(nn.Module):
         if self.reuse:
             first, second = REUSES[self.reuse]
             h = x + self.b(torch.tanh(second(self.a, torch.tanh(first(self.a, x)))))
-        else:
-            h = x + self.b(torch.tanh(self.a(x)))
+        else:  # (a frozen bf16 `a` takes its input in its dtype and gives it back in x's, as LoRA's base)
+            h = x + self.b(torch.tanh(self.a(x.to(self.a.weight.dtype)).to(x.dtype)))
         return Out(h) if self.dataclass_output else h
 
 
@@ -772,6 +772,23 @@ def shard_placement_fn_dim_0(impl, mesh):
         "shard_placement_fn": lambda p: Shard(0) if p.dim() == 2 else None}))
 
 
+def frozen_bf16_base(model):
+    """LoRA's layout in every block: `a` a frozen bf16 base, `b` a float32 adapter, in one unit."""
+    for block in model.blocks:
+        block.a.to(torch.bfloat16).requires_grad_(False)
+
+
+def lora_frozen_bf16_base(impl, mesh):
+    """Each unit holds bf16 and float32 parameters (only the float32 ones train), no mixed precision:
+    FSDP2 all-gathers their bytes."""
+    return train(build(impl, mesh, before_sharding=frozen_bf16_base))
+
+
+def lora_frozen_bf16_base_under_bf16(impl, mesh):
+    """The same units under param_dtype bf16, reduce_dtype float32: one bf16 all-gather of both."""
+    return train(build(impl, mesh, bf16=True, before_sharding=frozen_bf16_base))
+
+
 FLOWS = [retain_graph, autograd_grad_then_backward, partial_no_grad_forward_before_step,
          partial_no_grad_forward_before_step_explicit_prefetch, reentrant_checkpoint, requires_grad_toggle,
          load_state_dict_assign, load_state_dict_assign_meta, grouped_unit_last_module_skipped,
@@ -792,7 +809,8 @@ FLOWS = [retain_graph, autograd_grad_then_backward, partial_no_grad_forward_befo
          grouped_units_member_run_alone_first, gradient_divide_factor_with_sum_reductions, sum_reductions_only,
          gradient_divide_factor_on_the_root_only, forward_method_registered, all_reduce_hook_halves_the_grads,
          two_backwards_per_step_the_first_not_last, input_layer_not_gathered_for_backward, float16_reduction,
-         ignored_parameter_stays_local, shard_placement_fn_dim_0, bf16_without_casting_forward_inputs]
+         ignored_parameter_stays_local, shard_placement_fn_dim_0, bf16_without_casting_forward_inputs,
+         lora_frozen_bf16_base, lora_frozen_bf16_base_under_bf16]
 REFERENCE = {flow: "fsdp2" for flow in FLOWS} | {
     partial_no_grad_forward_before_step_explicit_prefetch: "plain", reset_after_exception_in_backward: "plain",
     reentrant_checkpoint_two_forwards: "plain", inference_mode_first_forward: "plain",
@@ -970,7 +988,7 @@ def deepcopy_of_a_sharded_model(impl, mesh):
 
 def what_is_refused(impl, mesh):
     """What fully_shard raises for what FSDP2 refuses: a container with no forward of its own, a 3-D
-    mesh, a 2-D mesh whose dims have no names."""
+    mesh, a 2-D mesh whose dims have no names, parameters of two dtypes that both train."""
     def raised(attempt):
         try:
             attempt()
@@ -979,7 +997,13 @@ def what_is_refused(impl, mesh):
             return {"type": type(e).__name__, "lines": len(str(e).splitlines())}
     mesh_3d = init_device_mesh("cpu", (1, 1, dist.get_world_size()))
     unnamed_2d = init_device_mesh("cpu", (1, dist.get_world_size()))  # which dim replicates?
+    def train_two_dtypes():  # both train: a unit reduces its grads in one dtype (a frozen one may differ)
+        model = nn.Linear(2, 2)
+        model.bias.data = model.bias.data.double()
+        SHARD[impl](model, mesh=mesh)
+        model(torch.randn(4, 2)).sum().backward()
     return {"module_list": raised(lambda: SHARD[impl](nn.ModuleList([nn.Linear(2, 2)]), mesh=mesh)),
+            "trainable_params_of_two_dtypes": raised(train_two_dtypes),
             "module_dict": raised(lambda: SHARD[impl](nn.ModuleDict({"a": nn.Linear(2, 2)}), mesh=mesh)),
             "mesh_3d": raised(lambda: SHARD[impl](nn.Linear(2, 2), mesh=mesh_3d)),
             "unnamed_2d_mesh": raised(lambda: SHARD[impl](nn.Linear(2, 2), mesh=unnamed_2d))}

@@ -33,7 +33,7 @@ of a sharded model is refused saying to copy its state_dict instead, and state_d
 submodule of a gathered unit holds the sharded DTensors; the first forward of a model left on the
 meta device is a RuntimeError that says so; block.compile() before sharding makes as many graphs
 as under FSDP2 (the hooks stay out of them). What FSDP2 refuses at fully_shard time (a container
-without a forward, a 3-D mesh, a 2-D mesh without dim names) is refused with its exception types, and a slice of a sharded
+without a forward, a 3-D mesh, a 2-D mesh without dim names, two dtypes that both train) is refused with its exception types, and a slice of a sharded
 nn.Sequential is a plain Sequential. Code written for FSDP2 that trained wrongly or crashed later
 here: a meta-device unit of which a rank holds nothing, an optimizer stepped from the sharded
 parameters' post-accumulate-grad hooks, CPUOffloadPolicy on a CPU mesh, a grouped unit whose
@@ -44,7 +44,8 @@ setter is not recursive), sum-only collectives alone, a block method registered 
 backwards per step, the first marked not last (set_is_last_backward), an input layer not
 gathered for backward (set_unshard_in_backward(False)), grads reduced in float16, a parameter
 the root's fully_shard ignores, a shard_placement_fn that asks for dim 0, and bf16 with the
-root's forward inputs left uncast (cast_forward_inputs=False).
+root's forward inputs left uncast (cast_forward_inputs=False), and LoRA's units (a frozen bf16
+base beside float32 adapters), with and without mixed precision.
 
 The reference is FSDP2, except in the flows where FSDP2 (torch 2.13) computes something else than
 plain PyTorch: with explicit forward-prefetch lists it uses the probe's all-gather from before the
@@ -94,7 +95,8 @@ FLOWS = ["retain_graph", "autograd_grad_then_backward", "partial_no_grad_forward
          "gradient_divide_factor_with_sum_reductions", "sum_reductions_only", "gradient_divide_factor_on_the_root_only",
          "forward_method_registered", "all_reduce_hook_halves_the_grads", "two_backwards_per_step_the_first_not_last",
          "input_layer_not_gathered_for_backward", "float16_reduction", "ignored_parameter_stays_local",
-         "shard_placement_fn_dim_0", "bf16_without_casting_forward_inputs"]
+         "shard_placement_fn_dim_0", "bf16_without_casting_forward_inputs", "lora_frozen_bf16_base",
+         "lora_frozen_bf16_base_under_bf16"]
 
 
 @pytest.fixture(scope="module")
