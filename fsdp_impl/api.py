@@ -92,8 +92,8 @@ def fully_shard(module, *, mesh=None, reshard_after_forward=None, shard_placemen
     OffloadPolicy() keeps them on the mesh's device, as on a CPU mesh any policy does.
     A 2-D mesh (replicate, shard) gives HSDP.
     ignored_params: parameters left as they are, as FSDP2 leaves them: not sharded, not moved, their
-    gradients not reduced. shard_placement_fn is taken where it asks for dim 0 (Shard(0) or None)
-    for every parameter; dp_mesh_dims is refused.
+    gradients not reduced. shard_placement_fn(param) -> Shard(dim) or None (dim 0), as FSDP2's: a
+    dim other than 0 must split evenly, and not a tensor parallel parameter's; dp_mesh_dims is refused.
     As FSDP2's, it moves the modules' buffers to the mesh's device, and on CUDA the root's forward
     moves its inputs there.
     """

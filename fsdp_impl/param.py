@@ -2,9 +2,9 @@
 The two forms of one managed parameter, split by lifetime:
 
     ParamShard       from fully_shard on: where the modules register the parameter, its place in
-                     the unit's flat buffers (rows padded to ceil(dim0 / W)), and its sharded
-                     form, an nn.Parameter(DTensor) viewing flat_shard, which the optimizer and
-                     state_dict see.
+                     the unit's flat buffers (its chunk along its shard dim, padded to
+                     ceil(size / W)), and its sharded form, an nn.Parameter(DTensor) viewing
+                     flat_shard, which the optimizer and state_dict see.
     UnshardedParam   from the first forward on: the nn.Parameter forward and backward see,
                      viewing flat_full, and its grads on their way to the reduction.
 
@@ -44,17 +44,19 @@ class ParamShard:
     A tensor parallel parameter (a DTensor on a tp mesh) is sharded by its local tensor: `shape` is
     that tensor's, and the sharded DTensor spans the dp and tp dims together (FSDP2's layout)."""
 
-    def __init__(self, registrations, param, world, rank, mesh, placements):
+    def __init__(self, registrations, param, world, rank, mesh, placements, dim):
         self.registrations = registrations  # [(module, attribute name)], several when tied
         self.tp_spec = param._spec if isinstance(param, DTensor) else None
         self.shape = param._local_tensor.shape if self.tp_spec else param.shape  # what the dp group shards
-        self.stride = contiguous_stride(self.shape)
-        self.row_numel = math.prod(self.shape[1:])
-        rows = math.ceil(self.shape[0] / world)  # torch.chunk's rows per rank (FSDP2's too)
-        self.padded_numel = rows * self.row_numel
-        self.local_shape = (max(0, min(rows, self.shape[0] - rank * rows)),) + tuple(self.shape[1:])
-        self.local_numel = math.prod(self.local_shape)
-        self.first_row = rank * rows
+        self.dim = dim  # this rank holds torch.chunk(tensor, W, dim)[rank] (only dim 0 may split unevenly)
+        size = math.ceil(self.shape[dim] / world)  # torch.chunk's length per rank (FSDP2's too)
+        self.first = rank * size  # this rank's first index along dim
+        padded, local = list(self.shape), list(self.shape)
+        padded[dim], local[dim] = size, max(0, min(size, self.shape[dim] - self.first))
+        self.padded_numel = math.prod(padded)
+        self.local_shape = tuple(local)
+        self.local_numel = math.prod(local)
+        self.stride = contiguous_stride(self.local_shape)  # the local tensor's, and its grad's
         self.dtype, self.offset, self.slot = param.dtype, None, None  # its place in flat_shard: the unit lays them out
         self.mesh, self.placements = mesh, placements  # of the sharded DTensor
         self.global_shape = param.shape  # a DTensor's: the whole parameter's, over every mesh dim
@@ -63,8 +65,12 @@ class ParamShard:
         self.requires_grad = param.requires_grad  # as last seen on both parameter objects
 
     def as_sharded(self, local):
-        """The sharded DTensor whose local tensor is `local`, this rank's rows."""
+        """The sharded DTensor whose local tensor is `local`, this rank's chunk."""
         return dtensor_around(local, self.mesh, self.placements, self.global_shape, contiguous_stride(self.global_shape))
+
+    def chunk_of(self, tensor):
+        """This rank's chunk of the full `tensor` (empty where the ranks before took it all)."""
+        return tensor[(slice(None),) * self.dim + (slice(self.first, self.first + self.local_shape[self.dim]),)]
 
 
 class UnshardedParam:

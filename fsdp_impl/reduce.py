@@ -5,8 +5,9 @@ GradReduction: one unit's gradients, from the unsharded grads backward leaves to
     post-backward        reduce(): take each unsharded grad (a tensor parallel one's local part),
         │                adding a sum kept from micro-steps without sync; with sync off, keep them
         ▼
-    reduce-scatter       [W, S] rank-major (torch._chunk_cat pads each grad to its rows), AVG over
-        │                the shard group, issued; at most one in flight per schedule
+    reduce-scatter       [W, S] rank-major (torch._chunk_cat pads each grad to its rows; a grad
+        │                sharded on dim d > 0 first has its chunks along d stacked on dim 0), AVG
+        │                over the shard group, issued; at most one in flight per schedule
         ▼
     finish()             waited when the next unit issues its own, or at the end of backward
         │
@@ -102,7 +103,9 @@ class GradReduction:
                                          [grad.flatten() for grad in grads])
                 if copy_out is not None:  # the grads stay alive until the copy-out stream has read them
                     u.schedule.hold_until_read(list(grads), copy_out.record_event())
-            else:
+            else:  # (a grad sharded on dim d > 0: its chunks along d as rows, each rank's one, as FSDP2 copies it)
+                grads[:] = [torch.cat(grad.chunk(u.world, ps.dim)) if ps.dim else grad
+                            for ps, grad in zip(params, grads)]
                 rs_input = torch.empty(u.world * numel, dtype=u.reduce_dtype, device=u.compute_device)
                 torch._chunk_cat(grads, dim=0, num_chunks=u.world, out=rs_input.view(u.world, -1))
             grads.clear()  # the unsharded gradients are freed here

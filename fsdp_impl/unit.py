@@ -3,14 +3,17 @@ ShardedUnit: the parameters of one fully_shard() call, which always communicate 
 
 Memory layout (W ranks in the shard group, rank r):
 
-    flat_shard   [S]        this rank's piece of every parameter, each padded to ceil(dim0/W)
-                            rows, back to back. Sharded parameters (DTensor, Shard(0)) are views
+    flat_shard   [S]        this rank's chunk of every parameter (along dim 0, padded to
+                            ceil(dim0/W) rows, or along the dim shard_placement_fn asks for),
+                            back to back. Sharded parameters (DTensor, Shard(dim)) are views
                             into it, so the optimizer updates it in place and it is the all-gather
                             input with no copy (in fp32; one cast with mixed precision). Of a
                             unit with parameters of several dtypes (LoRA's), it holds bytes.
     all-gather   [W, S]     rank-major, as the collective writes it; copied out once into
     flat_full    [W * S]    parameter-major: parameter i's full (padded) tensor is contiguous, and
                             the unsharded parameters used by forward/backward are views into it.
+                            (One sharded on dim d > 0 arrives as its chunks stacked on dim 0:
+                            copied out into a temporary and concatenated along d, as in FSDP2.)
                             Its storage is resized to hold memory while the unit is unsharded
                             and to none otherwise (the views, and the tensors autograd saved,
                             stay valid and come back to life when it is refilled).
@@ -80,7 +83,7 @@ class ShardedUnit:
                  shard_placement_fn=None):
         self.modules = modules  # usually one; several consecutive blocks for size-based wrapping
         self.ignored_params = set(ignored_params)  # left as they are: not sharded, their grads not reduced
-        self.shard_placement_fn = shard_placement_fn  # taken where it asks for dim 0
+        self.shard_placement_fn = shard_placement_fn  # the dim each parameter is sharded on (None: 0)
         self.name = type(modules[0]).__name__  # the root renames units by their path at lazy init
         self.parent = None  # the unit of the next fully_shard() call that contains this one's modules
         self.mesh = mesh
@@ -155,19 +158,14 @@ class ShardedUnit:
         for p, regs in found.items():
             if p.dim() == 0:
                 raise ValueError(f"fully_shard({self.name}): 0-dim parameter {regs[0][1]} is not supported")
-            placement = self.shard_placement_fn(p) if self.shard_placement_fn else None
-            if placement is not None and not (isinstance(placement, Shard) and placement.dim in (0, -p.dim())):
-                raise NotImplementedError(f"fully_shard({self.name}): shard_placement_fn asks {placement} for "
-                                          f"{regs[0][1]}; fsdp_impl shards dim 0 only")
-            self.params.append(ParamShard(regs, p, self.world, self.rank, *self._sharded_placement(p)))
+            dim = self._shard_dim(p, regs[0][1])
+            self.params.append(ParamShard(regs, p, self.world, self.rank, *self._sharded_placement(p, dim), dim))
         self._lay_out([p.dtype for p in found])
         on_meta = any(p.is_meta for p in found)
         self.flat_shard = self._new_flat_shard(torch.device("meta") if on_meta else self.compute_device)
         for ps, p in zip(self.params, found):
             if not on_meta:
-                local = p._local_tensor if ps.tp_spec else p
-                rows = local.detach().reshape(ps.shape[0], -1)[ps.first_row:ps.first_row + ps.local_shape[0]]
-                self._local_view(ps).view(-1, max(ps.row_numel, 1)).copy_(rows)
+                self._local_view(ps).copy_(ps.chunk_of((p._local_tensor if ps.tp_spec else p).detach()))
             ps.sharded = nn.Parameter(ps.as_sharded(self._local_view(ps)), requires_grad=p.requires_grad)
         self._register(unsharded=False)
 
@@ -184,12 +182,31 @@ class ShardedUnit:
             offset = ps.offset + ps.slot
         self.shard_numel = offset
 
-    def _sharded_placement(self, param):
+    def _shard_dim(self, param, name):
+        """The dim shard_placement_fn asks for (Shard(dim) or None: 0), negative ones counted from the
+        end. As FSDP2, a dim other than 0 must split evenly over the shard group; not taken for a
+        tensor parallel parameter (FSDP2 would shard its tp-local tensor there)."""
+        placement = self.shard_placement_fn(param) if self.shard_placement_fn else None
+        if placement is None:
+            return 0
+        where = f"fully_shard({self.name}): shard_placement_fn asks {placement} for {name} {tuple(param.shape)}"
+        if not isinstance(placement, Shard):
+            raise NotImplementedError(f"{where}; fsdp_impl takes Shard(dim) or None")
+        dim = placement.dim + param.dim() if placement.dim < 0 else placement.dim
+        if not 0 <= dim < param.dim():  # (FSDP2's exception type)
+            raise AssertionError(f"{where}: no such dim")
+        if dim > 0 and isinstance(param, DTensor):
+            raise NotImplementedError(f"{where}; fsdp_impl shards a tensor parallel parameter on dim 0 only")
+        if dim > 0 and param.shape[dim] % self.world:  # (FSDP2's exception type)
+            raise NotImplementedError(f"{where}: uneven sharding on dim {dim} over {self.world} ranks")
+        return dim
+
+    def _sharded_placement(self, param, dim):
         """(mesh, placements) of a parameter's sharded DTensor. A tensor parallel parameter's mesh is
         the dp mesh's dims then the tp mesh's; its dp dim shards rows of the tp-local tensor, which
         DTensor spells _StridedShard when tp shards dim 0 too (FSDP2's spec, so state dicts agree)."""
         if not isinstance(param, DTensor):
-            return self.mesh, self.placements
+            return self.mesh, self.placements[:-1] + (Shard(dim),)
         spec = param._spec
         if self.mesh.mesh_dim_names is None or spec.mesh.mesh_dim_names is None:
             raise ValueError(f"fully_shard({self.name}): a tensor parallel parameter needs named mesh dims "
@@ -237,12 +254,15 @@ class ShardedUnit:
         # each parameter's padded full tensor as [W, its slot], and the alignment gaps of a byte buffer
         # between them: where the copy out of the rank-major all-gather output puts its pieces
         self._slots, self._full_slots, cursor = [], [], 0
+        self._cat_slots = []  # (index in _slots, parameter) of those sharded on dim > 0
         for ps in self.params:
             gap = ((cursor, ps.gather_offset - cursor),) if ps.gather_offset > cursor else ()
             for start, size in gap + ((ps.gather_offset, ps.gather_slot),):
                 self._slots.append(size)
                 full = self.flat_full[start * self.world:(start + size) * self.world]
                 self._full_slots.append(full.view(self.world, -1))
+            if ps.dim:
+                self._cat_slots.append((len(self._slots) - 1, ps))
             cursor = ps.gather_offset + ps.gather_slot
         self._full_bytes = self.flat_full.untyped_storage().nbytes()
         self.flat_full.untyped_storage().resize_(0)
@@ -366,9 +386,19 @@ class ShardedUnit:
             ledger.log("all_gather_wait", self.name)
             if output is not self.flat_full:  # copy out of the rank-major all-gather buffer
                 self._fill_flat_full()
+                # a parameter sharded on dim d > 0 arrives as its chunks, one per rank: into a temporary,
+                # then concatenated along d into its place
+                out = self._full_slots
+                if self._cat_slots:
+                    out = list(out)
+                    for i, _ in self._cat_slots:
+                        out[i] = torch.empty_like(out[i])
                 with torch.autograd._unsafe_preserve_version_counter(self.flat_full):
                     torch.split_with_sizes_copy(output.view(self.world, self.gather_numel), self._slots,
-                                                dim=1, out=self._full_slots)
+                                                dim=1, out=out)
+                    for i, ps in self._cat_slots:
+                        chunks = out[i].view(ps.gather_dtype).view(self.world, *ps.local_shape).unbind()
+                        torch.cat(chunks, dim=ps.dim, out=self._full_slots[i].view(ps.gather_dtype).view(ps.shape))
         self._register(unsharded=True)
         self.state = UNSHARDED
 

@@ -135,11 +135,11 @@ class Net(nn.Module):
 
 
 def build(impl, mesh, seed=0, meta=False, grouped=False, frozen=(), bf16=False, output_dtype=None,
-          before_sharding=None, own_units=(), offload=None, root_kw=None, **net_kw):
+          before_sharding=None, own_units=(), offload=None, root_kw=None, unit_kw=None, **net_kw):
     """Every block its own unit (grouped: blocks.0 alone, blocks.1 and .2 as one unit; "reversed":
     that unit listed as [blocks.2, blocks.1]), then the modules named in own_units, then the root.
     reshard_after_forward is left at its default: True for the blocks in both. root_kw(impl, model):
-    more fully_shard arguments for the root."""
+    more fully_shard arguments for the root; unit_kw: for every unit."""
     torch.manual_seed(seed)
     with torch.device("meta" if meta else "cpu"):
         model = Net(**net_kw)
@@ -157,6 +157,8 @@ def build(impl, mesh, seed=0, meta=False, grouped=False, frozen=(), bf16=False, 
         kwargs = {"mp_policy": mp} if mp else {}
         if offload and impl != "plain":
             kwargs["offload_policy"] = OFFLOAD[impl](pin_memory=False)
+        if unit_kw and impl != "plain":
+            kwargs.update(unit_kw)
         if root_kw and unit is model and impl != "plain":
             kwargs.update(root_kw(impl, model))
         SHARD[impl](unit, mesh=mesh, **kwargs)
@@ -789,6 +791,33 @@ def lora_frozen_bf16_base_under_bf16(impl, mesh):
     return train(build(impl, mesh, bf16=True, before_sharding=frozen_bf16_base))
 
 
+SHARD_MATRICES_ON_DIM_1 = {"shard_placement_fn": lambda p: Shard(1) if p.dim() == 2 else None}
+
+
+def shard_placement_fn_dim_1(impl, mesh):
+    """Every unit's matrices sharded on dim 1 (D = 8 columns, 4 per rank; out.weight's single row
+    too), the vectors on dim 0: each gather concatenates a matrix's chunks along dim 1."""
+    return train(build(impl, mesh, unit_kw=SHARD_MATRICES_ON_DIM_1))
+
+
+def shard_placement_fn_dim_1_under_bf16(impl, mesh):
+    """The same under param_dtype bf16, reduce_dtype float32, asked as Shard(-1) (dim 1 of a matrix)."""
+    last_dim = {"shard_placement_fn": lambda p: Shard(-1) if p.dim() == 2 else None}
+    return train(build(impl, mesh, bf16=True, unit_kw=last_dim))
+
+
+def shard_placement_fn_dim_1_lora_frozen_bf16_base(impl, mesh):
+    """Dim 1 in units of bf16 and float32 parameters (LoRA's): the chunks arrive in a byte all-gather."""
+    return train(build(impl, mesh, before_sharding=frozen_bf16_base, unit_kw=SHARD_MATRICES_ON_DIM_1))
+
+
+def hsdp_shard_placement_fn_dim_1(impl, mesh):
+    """HSDP (2 replicas of 1 shard) with the matrices on dim 1: one chunk, the whole matrix."""
+    if impl != "plain":
+        mesh = init_device_mesh("cpu", (dist.get_world_size(), 1), mesh_dim_names=("replicate", "shard"))
+    return train(build(impl, mesh, unit_kw=SHARD_MATRICES_ON_DIM_1))
+
+
 FLOWS = [retain_graph, autograd_grad_then_backward, partial_no_grad_forward_before_step,
          partial_no_grad_forward_before_step_explicit_prefetch, reentrant_checkpoint, requires_grad_toggle,
          load_state_dict_assign, load_state_dict_assign_meta, grouped_unit_last_module_skipped,
@@ -810,7 +839,9 @@ FLOWS = [retain_graph, autograd_grad_then_backward, partial_no_grad_forward_befo
          gradient_divide_factor_on_the_root_only, forward_method_registered, all_reduce_hook_halves_the_grads,
          two_backwards_per_step_the_first_not_last, input_layer_not_gathered_for_backward, float16_reduction,
          ignored_parameter_stays_local, shard_placement_fn_dim_0, bf16_without_casting_forward_inputs,
-         lora_frozen_bf16_base, lora_frozen_bf16_base_under_bf16]
+         lora_frozen_bf16_base, lora_frozen_bf16_base_under_bf16, shard_placement_fn_dim_1,
+         shard_placement_fn_dim_1_under_bf16, shard_placement_fn_dim_1_lora_frozen_bf16_base,
+         hsdp_shard_placement_fn_dim_1]
 REFERENCE = {flow: "fsdp2" for flow in FLOWS} | {
     partial_no_grad_forward_before_step_explicit_prefetch: "plain", reset_after_exception_in_backward: "plain",
     reentrant_checkpoint_two_forwards: "plain", inference_mode_first_forward: "plain",
@@ -970,6 +1001,15 @@ def graphs_of_compiled_blocks(impl, mesh):
     return counters["stats"]["unique_graphs"]
 
 
+def sharded_layouts_on_dim_1(impl, mesh):
+    """After a step with the matrices on dim 1: each sharded parameter's and grad's placements, local
+    shape and local stride."""
+    model = build(impl, mesh, unit_kw=SHARD_MATRICES_ON_DIM_1)
+    plain_step(model, 0)
+    return {n: [[str(t.placements), list(t.to_local().shape), list(t.to_local().stride())] for t in (p, p.grad)]
+            for n, p in model.named_parameters()}
+
+
 def meta_model_first_forward(impl, mesh):
     """A model built on the meta device and never materialized: what its first forward raises."""
     model = build(impl, mesh, meta=True)
@@ -988,7 +1028,8 @@ def deepcopy_of_a_sharded_model(impl, mesh):
 
 def what_is_refused(impl, mesh):
     """What fully_shard raises for what FSDP2 refuses: a container with no forward of its own, a 3-D
-    mesh, a 2-D mesh whose dims have no names, parameters of two dtypes that both train."""
+    mesh, a 2-D mesh whose dims have no names, parameters of two dtypes that both train, a dim other
+    than 0 that does not split evenly (3 columns over 2 ranks)."""
     def raised(attempt):
         try:
             attempt()
@@ -1006,20 +1047,29 @@ def what_is_refused(impl, mesh):
             "trainable_params_of_two_dtypes": raised(train_two_dtypes),
             "module_dict": raised(lambda: SHARD[impl](nn.ModuleDict({"a": nn.Linear(2, 2)}), mesh=mesh)),
             "mesh_3d": raised(lambda: SHARD[impl](nn.Linear(2, 2), mesh=mesh_3d)),
-            "unnamed_2d_mesh": raised(lambda: SHARD[impl](nn.Linear(2, 2), mesh=unnamed_2d))}
+            "unnamed_2d_mesh": raised(lambda: SHARD[impl](nn.Linear(2, 2), mesh=unnamed_2d)),
+            "uneven_shard_on_dim_1": raised(lambda: SHARD[impl](nn.Linear(3, 3), mesh=mesh, **SHARD_MATRICES_ON_DIM_1))}
 
 
 def refused_arguments(impl, mesh):
-    """fully_shard with what fsdp_impl does not do: shard_placement_fn asking for dim 1, and
-    dp_mesh_dims. FSDP2: whether it trains; fsdp_impl: what it raises."""
+    """fully_shard with what fsdp_impl does not do: dp_mesh_dims, and shard_placement_fn asking for
+    dim 1 of a tensor parallel parameter (tp over one rank). FSDP2: whether it trains; fsdp_impl:
+    what it raises."""
     from torch.distributed.fsdp import DataParallelMeshDims
-    cases = {"shard_placement_fn_dim_1": dict(shard_placement_fn=lambda p: Shard(1) if p.dim() == 2 else None),
-             "dp_mesh_dims": dict(mesh=init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("dp",)),
-                                  dp_mesh_dims=DataParallelMeshDims(shard="dp"))}
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+    dp_tp = init_device_mesh("cpu", (dist.get_world_size(), 1), mesh_dim_names=("dp", "tp"))
+    cases = {"dp_mesh_dims": (None, dict(mesh=init_device_mesh("cpu", (dist.get_world_size(),),
+                                                               mesh_dim_names=("dp",)),
+                                         dp_mesh_dims=DataParallelMeshDims(shard="dp"))),
+             "shard_placement_fn_dim_1_of_a_tensor_parallel_parameter": (
+                 lambda model: parallelize_module(model, dp_tp["tp"], ColwiseParallel()),
+                 dict(mesh=dp_tp["dp"], **SHARD_MATRICES_ON_DIM_1))}
     res = {}
-    for case, kw in cases.items():
+    for case, (parallelize, kw) in cases.items():
         try:
             model = nn.Linear(2 * D, 2 * D)
+            if parallelize:
+                parallelize(model)
             SHARD[impl](model, **{"mesh": mesh, **kw})
             model(torch.randn(4, 2 * D)).sum().backward()
             res[case] = "trained"
@@ -1149,7 +1199,7 @@ def main():
                   list_argument_and_dropped_forward, inplace_on_a_view_output, late_unshard_handle_wait, deepcopy_of_a_sharded_model,
                   submodule_state_dict_while_gathered, meta_model_first_forward, graphs_of_compiled_blocks,
                   what_is_refused, slice_of_a_sharded_sequential, jvp_through_a_sharded_model, refused_api,
-                  refused_arguments, root_input_dtype_seen):
+                  refused_arguments, root_input_dtype_seen, sharded_layouts_on_dim_1):
         result[check.__name__] = {impl: check(impl, mesh) for impl in ("fsdp2", "ours")}
     # The last flow can kill the process (fsdp_impl segfaulted there). The other flows' results are
     # written first, then again with this flow's record: after a crash the report lacks it (and the

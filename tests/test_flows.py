@@ -33,8 +33,9 @@ of a sharded model is refused saying to copy its state_dict instead, and state_d
 submodule of a gathered unit holds the sharded DTensors; the first forward of a model left on the
 meta device is a RuntimeError that says so; block.compile() before sharding makes as many graphs
 as under FSDP2 (the hooks stay out of them). What FSDP2 refuses at fully_shard time (a container
-without a forward, a 3-D mesh, a 2-D mesh without dim names, two dtypes that both train) is refused with its exception types, and a slice of a sharded
-nn.Sequential is a plain Sequential. Code written for FSDP2 that trained wrongly or crashed later
+without a forward, a 3-D mesh, a 2-D mesh without dim names, two dtypes that both train, an
+uneven split on dim 1) is refused with its exception types, and a slice of a sharded nn.Sequential
+is a plain Sequential. Code written for FSDP2 that trained wrongly or crashed later
 here: a meta-device unit of which a rank holds nothing, an optimizer stepped from the sharded
 parameters' post-accumulate-grad hooks, CPUOffloadPolicy on a CPU mesh, a grouped unit whose
 head a chunked loss calls alone, its other module skipped. FSDP2's API beyond train.py's: a
@@ -43,9 +44,10 @@ setter is not recursive), sum-only collectives alone, a block method registered 
 (register_fsdp_forward_method), a hook on the reduced grads (set_all_reduce_hook), and two
 backwards per step, the first marked not last (set_is_last_backward), an input layer not
 gathered for backward (set_unshard_in_backward(False)), grads reduced in float16, a parameter
-the root's fully_shard ignores, a shard_placement_fn that asks for dim 0, and bf16 with the
-root's forward inputs left uncast (cast_forward_inputs=False), and LoRA's units (a frozen bf16
-base beside float32 adapters), with and without mixed precision.
+the root's fully_shard ignores, a shard_placement_fn that asks for dim 0 and one that asks for
+dim 1 (plain, under bf16 as Shard(-1), in LoRA's units, under HSDP; and its sharded layouts), and
+bf16 with the root's forward inputs left uncast (cast_forward_inputs=False), and LoRA's units (a
+frozen bf16 base beside float32 adapters), with and without mixed precision.
 
 The reference is FSDP2, except in the flows where FSDP2 (torch 2.13) computes something else than
 plain PyTorch: with explicit forward-prefetch lists it uses the probe's all-gather from before the
@@ -96,7 +98,8 @@ FLOWS = ["retain_graph", "autograd_grad_then_backward", "partial_no_grad_forward
          "forward_method_registered", "all_reduce_hook_halves_the_grads", "two_backwards_per_step_the_first_not_last",
          "input_layer_not_gathered_for_backward", "float16_reduction", "ignored_parameter_stays_local",
          "shard_placement_fn_dim_0", "bf16_without_casting_forward_inputs", "lora_frozen_bf16_base",
-         "lora_frozen_bf16_base_under_bf16"]
+         "lora_frozen_bf16_base_under_bf16", "shard_placement_fn_dim_1", "shard_placement_fn_dim_1_under_bf16",
+         "shard_placement_fn_dim_1_lora_frozen_bf16_base", "hsdp_shard_placement_fn_dim_1"]
 
 
 @pytest.fixture(scope="module")
@@ -238,8 +241,8 @@ def test_non_root_forward_first_raises(report):
 
 
 def test_what_fsdp2_refuses_is_refused_at_fully_shard_with_its_exception_type(report):
-    """A container without a forward of its own, a 3-D mesh, a 2-D mesh without dim names: refused at
-    once, in one line, with FSDP2's exception type (ours accepted them and misbehaved later)."""
+    """A container without a forward of its own, a 3-D mesh, a 2-D mesh without dim names, an uneven
+    split on dim 1: refused at once, in one line, with FSDP2's exception type."""
     r = report["what_is_refused"]
     assert all(r["fsdp2"][case] for case in r["fsdp2"]), r["fsdp2"]  # the reference behaviour
     for case, theirs in r["fsdp2"].items():
@@ -268,12 +271,20 @@ def test_fsdp2_methods_fsdp_impl_lacks_are_refused_in_one_line(report):
 
 
 def test_fully_shard_arguments_fsdp_impl_lacks_are_refused_in_one_line(report):
-    """shard_placement_fn asking for another dim than 0 (FSDP2 trains it), and dp_mesh_dims: refused
-    at fully_shard time with NotImplementedError, in one line."""
+    """dp_mesh_dims, and shard_placement_fn asking for dim 1 of a tensor parallel parameter (FSDP2
+    trains it): refused at fully_shard time with NotImplementedError, in one line."""
     r = report["refused_arguments"]
-    assert r["fsdp2"]["shard_placement_fn_dim_1"] == "trained", r  # the feature fsdp_impl lacks
+    assert r["fsdp2"]["shard_placement_fn_dim_1_of_a_tensor_parallel_parameter"] == "trained", r  # what we lack
     assert r["ours"] == {case: {"type": "NotImplementedError", "lines": 1} for case in r["ours"]}, r["ours"]
-    assert set(r["ours"]) == {"shard_placement_fn_dim_1", "dp_mesh_dims"}
+    assert set(r["ours"]) == {"shard_placement_fn_dim_1_of_a_tensor_parallel_parameter", "dp_mesh_dims"}
+
+
+def test_sharded_parameters_on_dim_1_are_laid_out_as_fsdp2s(report):
+    """With the matrices on dim 1, each sharded parameter and grad has FSDP2's placements and local
+    shape, and a contiguous local stride."""
+    r = report["sharded_layouts_on_dim_1"]
+    assert r["fsdp2"]["blocks.0.a.weight"][1] == ["(Shard(dim=1),)", [8, 4], [4, 1]], r["fsdp2"]  # the reference
+    assert r["ours"] == r["fsdp2"], r
 
 
 def test_cast_forward_inputs_decides_the_dtype_the_root_receives(report):
