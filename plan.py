@@ -6,9 +6,9 @@ Will it fit? Each rank's memory for a train.py run, planned on one CPU, before a
 
 It takes train.py's config files and --key=value settings, plus its own: --nproc (world sizes,
 comma-separated), --rank (default: rank 0, whose shards are the largest), --gpu (a100, h100, h200)
-or --gpu_mem_gib (whether it fits, and the largest batch that does), --json (one row per backend
-and world size) and --png (peak per rank against W). --dist_backend plans one backend; without it,
-all three.
+or --gpu_mem_gib (whether it fits, and the largest batch that does), --busbw_gbps (the bus bandwidth
+the communication time is projected at), --json (one row per backend and world size) and --png
+(peak per rank against W). --dist_backend plans one backend; without it, all three.
 
 For each backend and world size W it runs the real code: the model built on the meta device and
 wrapped through backends.py as train.py wraps it, then two whole training steps as train.py runs
@@ -39,8 +39,9 @@ import configurator
 from backends import BACKENDS, BackendError, DDPBackend, make_backend
 from model import GPT, GPTConfig
 
-PLAN_FLAGS = {"nproc": "1,2,4,8", "rank": 0, "json": "", "png": "", "gpu": "", "gpu_mem_gib": ""}  # plan.py's own settings, beside train.py's
+PLAN_FLAGS = {"nproc": "1,2,4,8", "rank": 0, "json": "", "png": "", "gpu": "", "gpu_mem_gib": "", "busbw_gbps": ""}  # plan.py's own settings, beside train.py's
 ROLES = ("parameters", "gradients", "optimizer_state", "gathered_parameters", "communication", "activations", "other")
+STATE_ROLES = ("parameters", "gradients", "optimizer_state")  # ZeRO's model states: what CPU offload moves
 
 
 def train_settings(argv):
@@ -69,12 +70,14 @@ def split_argv(argv):
     except ValueError:
         configurator.fail(f"--nproc takes world sizes such as 1,8,64 and --rank an int; got {own['nproc']!r}, "
                           f"{own['rank']!r}")
-    if own["gpu_mem_gib"]:
-        try:
-            if float(own["gpu_mem_gib"]) <= 0:
-                raise ValueError
-        except ValueError:
-            configurator.fail(f"--gpu_mem_gib={own['gpu_mem_gib']}: give the GPU's memory in GiB, such as 80")
+    for flag, example in (("gpu_mem_gib", "the GPU's memory in GiB, such as 80"),
+                          ("busbw_gbps", "a bus bandwidth in GB/s, such as 360")):
+        if own[flag]:
+            try:
+                if float(own[flag]) <= 0:
+                    raise ValueError
+            except ValueError:
+                configurator.fail(f"--{flag}={own[flag]}: give {example}")
     if own["rank"] < 0:
         configurator.fail(f"--rank={own['rank']} must be 0 or more (a rank past a world size plans rank 0 there)")
     if not all(1 <= w <= 1 << 20 for w in own["nproc"]):
@@ -103,12 +106,14 @@ class Allocations(TorchDispatchMode):
         self.peak_roles = {}
         self.steady = 0  # bytes between the two steps
         self.comm = {}  # collective kind -> bytes this rank sends or receives through it
+        self.bus_bytes = 0  # what this rank's link carries for them (count_collective)
         self.comm_storages = set()  # storage ids a collective read or wrote
         self._orig_resize = self._orig_rng_state = None
         self.trace = []  # (storage number, its bytes now: 0 once freed), for the caching allocator's model
         self.marks = []  # (index in the trace, where): each phase's start
         self.peak_index = 0  # the trace's length at the peak
         self.live_ids = []  # (one slot per storage ever seen: its number)
+        self.host_numbers = set()  # storages of the state (STATE_ROLES), which CPU offload keeps in host memory
 
     def __enter__(self):
         # a storage resized in place (FSDP2's and fsdp_impl's free and refill of gathered
@@ -138,8 +143,8 @@ class Allocations(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if func.namespace == "c10d":
-            self._collective(func, args)
+        if func.namespace in ("c10d", "_c10d_functional"):
+            self._collective(func, args, out)
         inputs = None
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor):
@@ -217,18 +222,32 @@ class Allocations(TorchDispatchMode):
             made_of[role] += nbytes
         return made_of
 
-    def _collective(self, func, args):
-        """Bytes through each collective (the larger of its input and output: what a rank sends or
-        receives), and the storages it touched, which count as communication buffers."""
-        tensors = [t for t in tree_flatten(args)[0] if isinstance(t, torch.Tensor)]
-        if not tensors:
-            return
+    def _collective(self, func, args, out):
+        """Bytes through each collective: the larger of its input and output, what a rank sends or
+        receives (nccl-tests' size). And the storages it touched, which count as communication buffers."""
+        tensors = [t for t in tree_flatten((args, out))[0] if isinstance(t, torch.Tensor)]
         name = func.__name__.split(".")[0].strip("_")
-        kind = ("all_gather" if "allgather" in name else "reduce_scatter" if "reduce_scatter" in name
-                else "all_reduce" if "allreduce" in name else name)
+        if not tensors or name == "wait_tensor":
+            return
+        kind = ("all_gather" if "allgather" in name or "all_gather" in name else "reduce_scatter"
+                if "reduce_scatter" in name else "all_reduce" if "allreduce" in name else name)
+        group = next((a for a in args if isinstance(a, torch.ScriptObject)
+                      and a._type().qualified_name().endswith("ProcessGroup")), None)
+        if group is None:  # a functional collective names its group
+            group_size = dist.distributed_c10d._resolve_process_group(args[-1]).size()
+        else:
+            group_size = dist.ProcessGroup.unbox(group).size()
         big = max(tensors, key=lambda t: t.numel() * t.element_size())
-        self.comm[kind] = self.comm.get(kind, 0) + big.numel() * big.element_size()
+        self.count_collective(kind, big.numel() * big.element_size(), group_size)
         self.comm_storages.update(t.untyped_storage()._cdata for t in tensors)
+
+    def count_collective(self, kind, nbytes, group_size):
+        """Its bytes, and its bus bytes: what each rank's link carries (nccl-tests' busbw is these
+        over the time): (n-1)/n of the bytes for a gather or a reduce-scatter, twice that for an
+        all-reduce, all of them for anything else."""
+        self.comm[kind] = self.comm.get(kind, 0) + nbytes
+        share = (group_size - 1) / group_size
+        self.bus_bytes += nbytes * {"all_gather": share, "reduce_scatter": share, "all_reduce": 2 * share}.get(kind, 1)
 
 
 def plain_tensors(t):
@@ -423,15 +442,18 @@ def steps(counter, settings, back, model, local_steps, fake):
             counter.snapshot_if_at_peak()
             counter.where = f"step {step + 1} {where}"
             counter.marks.append((len(counter.trace), counter.where))
-            if step == 1 and where == "zero_grad":  # the gradients are still there
-                state.append(state_bytes(optimizer))
+            if where == "zero_grad":  # the gradients are still there
+                counter.host_numbers.update(counter.live[key][2] for key, role in counter.roles().items()
+                                            if role in STATE_ROLES and key in counter.live)
+                if step == 1:
+                    state.append(state_bytes(optimizer))
         if step == 1:
-            counter.comm = {}  # communication per step: the second step's
+            counter.comm, counter.bus_bytes = {}, 0  # communication per step: the second step's
         train_step(settings, back, model, optimizer, local_steps, random_batch(settings), mark)
         if step == 0:
             counter.steady = counter.allocated
     for bucket in getattr(model, "_planned_ddp_buckets", ()):  # DDP's reducer all-reduces each bucket once a step
-        counter.comm["all_reduce"] = counter.comm.get("all_reduce", 0) + bucket.numel() * bucket.element_size()
+        counter.count_collective("all_reduce", bucket.numel() * bucket.element_size(), back.world_size)
     counter.snapshot_if_at_peak()
     counter.roles = None
     return state[0]
@@ -463,17 +485,58 @@ def in_child(fn, *args):
     return value
 
 
+# nccl-tests' bus bandwidth of large all-gathers and reduce-scatters on H100s, in GB/s (sources in
+# IMPLEMENTATION.md): NVLink within one node of 8, then InfiniBand by world size, 8 GPUs and eight
+# 400 Gb/s NICs per node, measured from 4 nodes to 128 (fewer nodes take the 4-node figure)
+NVLINK_BUSBW = 360
+INFINIBAND_BUSBW = {32: 360, 64: 345, 128: 320, 256: 300, 512: 280, 1024: 260}
+
+
+def busbw(world, given=""):
+    """The bus bandwidth (GB/s) the projection divides by: --busbw_gbps, or the default for W ranks."""
+    if given:
+        return float(given)
+    if world <= 8:
+        return NVLINK_BUSBW
+    return INFINIBAND_BUSBW[min([w for w in INFINIBAND_BUSBW if w >= world] or [1024])]
+
+
 def plan(settings, backend_name, world, rank):
-    """One backend at W ranks, as rank `rank`: the row plan.py reports."""
+    """One backend at W ranks, as rank `rank`: the row plan.py reports. Under cpu_offload the run
+    is planned without it, and the GPU's side is what stays after the state moves to host memory."""
     started = time.time()
-    counter, state, local_steps = run(settings, backend_name, world, rank)
-    made_of = counter.made_of()
-    cuda = CachingAllocatorModel().replay(counter.trace)
+    offload = settings["cpu_offload"]
+    counter, state, local_steps = run(dict(settings, cpu_offload=False), backend_name, world, rank)
+    peak, peak_at, made_of, trace = counter.peak, counter.peak_where, counter.made_of(), counter.trace
+    if offload:
+        peak, peak_at, trace = device_side(counter)
+        made_of = None  # (the breakdown is the whole run's)
+    cuda = CachingAllocatorModel().replay(trace)
     return {"backend": backend_name, "nproc": world, "rank": rank, "micro_steps": local_steps,
-            "peak_allocated_bytes": counter.peak, "cuda_allocated_bytes": cuda.peak_allocated,
-            "reserved_bytes": cuda.reserved, "peak_at": counter.peak_where, "peak_made_of": made_of,
+            "peak_allocated_bytes": peak, "cuda_allocated_bytes": cuda.peak_allocated,
+            "reserved_bytes": cuda.reserved, "peak_at": peak_at, "peak_made_of": made_of,
+            "host_bytes": state if offload else 0,
             "steady_bytes": counter.steady, "state_bytes": state, "comm_bytes_per_step": counter.comm,
+            "comm_bus_bytes_per_step": round(counter.bus_bytes),
             "seconds": round(time.time() - started, 2)}
+
+
+def device_side(counter):
+    """CPU offload's GPU side: the run's allocations but those of the state (the sharded parameters,
+    their gradients, the optimizer state), which live in host memory -> (peak, where, its trace).
+    Not modelled: each gather's copy of a unit's shard to the GPU, and each reduce-scatter's output
+    there until it is copied out; together at most two of the largest unit's shards."""
+    live, allocated, peak, peak_index, trace = {}, 0, 0, 0, []
+    for index, (number, nbytes) in enumerate(counter.trace):
+        if number in counter.host_numbers:
+            continue
+        allocated += nbytes - live.get(number, 0)
+        live[number] = nbytes
+        trace.append((number, nbytes))
+        if allocated > peak:
+            peak, peak_index = allocated, index
+    phase = bisect.bisect_right([index for index, _ in counter.marks], peak_index) - 1
+    return peak, counter.marks[phase][1] if phase >= 0 else "setup", trace
 
 
 def meta_model(settings):
@@ -578,6 +641,10 @@ def main(argv):
     settings["vocab_size"] = vocab_size(settings)
     compiled, settings["compile"] = settings["compile"], False  # (torch.compile's kernels: not planned)
     backends = [settings["dist_backend"]] if given_backend else list(BACKENDS)
+    if settings["cpu_offload"]:  # (planned as the run without it: ask DDP's refusal of it here)
+        if given_backend and settings["dist_backend"] == "ddp":
+            configurator.fail("cpu_offload and replicate_degree apply to the sharded backends only")
+        backends = [b for b in backends if b != "ddp"]
     rows = []
     for backend_name in backends:
         for world in own["nproc"]:
@@ -585,6 +652,8 @@ def main(argv):
             print(f"planning {backend_name} at W={world}, rank {rank}", file=sys.stderr, flush=True)
             try:
                 row = in_child(plan, settings, backend_name, world, rank)
+                row["busbw_gbps"] = busbw(world, own["busbw_gbps"])
+                row["comm_seconds_per_step"] = row["comm_bus_bytes_per_step"] / (row["busbw_gbps"] * 1e9)
                 row["fits"] = row["max_batch_size"] = None  # (no GPU memory given: no question asked)
                 if limit is not None:
                     row["fits"] = row["reserved_bytes"] <= limit
@@ -632,11 +701,13 @@ def table(rows, settings, limit):
     def gib(n):
         return f"{n / 2**30:,.2f}"
     answers = limit is not None
-    head = f"{'backend':<12} {'W':>5} {'rank':>4} {'peak GiB':>9} {'reserve':>9} {'state GiB':>9} {'comm GiB':>9}"
+    head = (f"{'backend':<12} {'W':>5} {'rank':>4} {'peak GiB':>9} {'reserve':>9} {'state GiB':>9} {'comm GiB':>9}"
+            f" {'comm ms':>8}")
     lines = [head + (f" {'fits':>4} {'max batch':>9}" if answers else "") + "  peak at"]
     for r in rows:
         line = (f"{r['backend']:<12} {r['nproc']:>5} {r['rank']:>4} {gib(r['peak_allocated_bytes']):>9} "
-                f"{gib(r['reserved_bytes']):>9} {gib(r['state_bytes']):>9} {gib(sum(r['comm_bytes_per_step'].values())):>9}")
+                f"{gib(r['reserved_bytes']):>9} {gib(r['state_bytes']):>9} {gib(sum(r['comm_bytes_per_step'].values())):>9}"
+                f" {r['comm_seconds_per_step'] * 1e3:>8,.1f}")
         if answers:
             line += f" {'yes' if r['fits'] else 'no':>4} {r['max_batch_size']:>9}"
         lines.append(line + "  " + r["peak_at"])
@@ -653,6 +724,13 @@ def table(rows, settings, limit):
     lines.append("peak: allocated, as the CPU allocator counts it (kernels' own scratch aside).")
     lines.append("reserve: CUDA's caching allocator replayed over it, one stream; fits compares it.")
     lines.append("Not counted: CUDA's context, cuBLAS's and NCCL's buffers.")
+    if settings["cpu_offload"]:
+        lines.append("cpu_offload: peak and reserve are the GPU's; the state column lives in (pinned) host memory.")
+        lines.append("Not modelled there: a unit's shard copied to the GPU for its gather, and its reduced grads")
+        lines.append("until they are copied out (together at most two of the largest unit's shards).")
+    lines.append("comm ms: a projection, the step's bus bytes over a bus bandwidth of " + ", ".join(
+        f"{b:g}" for b in sorted({r["busbw_gbps"] for r in rows})) + " GB/s (H100s: NVLink to W=8,")
+    lines.append("InfiniBand above; --busbw_gbps sets it); latency aside, before any overlap with compute.")
     return "\n".join(lines)
 
 

@@ -5,11 +5,12 @@ plan.py's training steps for real, measured by the allocator's own events, for t
 
 CASES.json lists [backend, world size, rank, [--key=value ...]]. For each case this process runs
 plan.run() twice: once with fake tensors (the plan), once with real ones under torch.profiler with
-profile_memory=True. Both run as one rank of W in this process, in a process group whose
-collectives complete at once on this thread (PyTorch's fake group; for DDP, whose reducer wants a
-result, a silent one of our own). So every free happens where the program drops its tensor; the
-collectives' own buffers (gloo's, NCCL's) are not the program's. The measured peak is the running
-sum of the allocation and free events' bytes, in time order.
+profile_memory=True. Both run as one rank of W in this process. The plan's process group is
+PyTorch's fake one; the real run's is a silent one of our own, whose collectives complete at once on
+this thread and tally the bytes they are handed. So every free happens where the program drops its
+tensor; the collectives' own buffers (gloo's, NCCL's) are not the program's. The measured peak is
+the running sum of the allocation and free events' bytes, in time order. The measured communication
+is the silent group's tally of the last step.
 """
 import gc
 import json
@@ -20,11 +21,14 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 from torch._C._distributed_c10d import _create_work_from_future
 from torch.futures import Future
 from torch.profiler import ProfilerActivity, profile
+from torch.utils._pytree import tree_flatten
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import observe  # noqa: E402
 import plan  # noqa: E402
 
 
@@ -34,35 +38,50 @@ def done(result):
     return _create_work_from_future(future)
 
 
+TALLY = {}  # collective kind -> bytes the silent group moved in this training step (as tensors sent or received)
+
+
+def tally(kind, *tensors):
+    nbytes = max(t.numel() * t.element_size() for t in tree_flatten(tensors)[0])
+    TALLY[kind] = TALLY.get(kind, 0) + nbytes
+
+
 class SilentGroup(dist.ProcessGroup):
     """Collectives that complete at once, on this thread, as if every rank held this rank's
     tensors: nothing allocated, nothing freed elsewhere. (PyTorch's fake group leaves DDP's
-    reducer without the result it expects.)"""
+    reducer without the result it expects.) Each one's bytes go into TALLY."""
 
     def allreduce(self, tensors, opts=None):
+        tally("all_reduce", tensors)
         return done(tensors)
 
     def allreduce_coalesced(self, tensors, opts=None):
+        tally("all_reduce", tensors)
         return done(tensors)
 
     def broadcast(self, tensors, opts=None):
+        tally("broadcast", tensors)
         return done(tensors)
 
     def allgather(self, outputs, inputs, opts=None):
+        tally("all_gather", outputs, inputs)
         for outs, tensor in zip(outputs, inputs):
             for out in outs:
                 out.copy_(tensor)
         return done(outputs)
 
     def _allgather_base(self, output, tensor, opts=None):
+        tally("all_gather", output, tensor)
         for out in output.chunk(self.size()):
             out.copy_(tensor.view_as(out))
         return done([output])
 
     def reduce_scatter(self, outputs, inputs, opts=None):
+        tally("reduce_scatter", outputs, inputs)
         return done(outputs)
 
     def _reduce_scatter_base(self, output, tensor, opts=None):
+        tally("reduce_scatter", output, tensor)
         return done([output])
 
     def barrier(self, opts=None):
@@ -96,11 +115,43 @@ def case(backend, world, rank, argv):
     planned, planned_state, _ = plan.run(settings, backend, world, rank)
     gc.collect()  # (an earlier case's tensors freed inside this one's window would lower its count)
     prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+    observed = PythonAPICollectives()  # (after the plan, which it would count too)
     counted, state, _ = plan.run(settings, backend, world, rank, fake=False, measured=lambda: prof,
                                  group=partial(plan.fake_process_group, backend="silent") if backend == "ddp" else None)
     peak = measured_peak(prof)
+    if backend != "ddp":
+        TALLY.update({kind: n for kind, n in observed.last_step().items() if n})
     return {"planned_peak": planned.peak, "planned_state": planned_state, "planned_where": planned.peak_where,
-            "counted_real_peak": counted.peak, "measured_peak": peak, "measured_state": state}
+            "counted_real_peak": counted.peak, "measured_peak": peak, "measured_state": state,
+            "planned_comm": planned.comm, "measured_comm": dict(TALLY)}
+
+
+class PythonAPICollectives(observe.CommCounter):
+    """The bytes FSDP2 and fsdp_impl hand torch.distributed's Python API (observe.py's counter, as
+    train.py reports them), and those of the functional all-reduces DTensor issues (the grad norm's)."""
+
+    def __init__(self):
+        super().__init__()
+        funcol.all_reduce = self._counting(funcol.all_reduce, "all_reduce")
+        OBSERVED.append(self)
+
+    def last_step(self):
+        counts = self.take()
+        return {kind: counts[f"{kind}_bytes"] for kind in set(self.KINDS.values())}
+
+
+OBSERVED = []
+
+
+def step_tallied(*args, train_step=plan.train_step, **kwargs):
+    """plan.train_step, with the tallies restarted: what is left in them after a run is the last step's."""
+    TALLY.clear()
+    for observed in OBSERVED:
+        observed.take()
+    return train_step(*args, **kwargs)
+
+
+plan.train_step = step_tallied
 
 
 def main():

@@ -2,8 +2,9 @@
 plan.py against the allocator: each case's planned peak (fake tensors, nothing allocated) equals
 the peak the CPU allocator reports for the same steps run with real tensors (tests/plan_worker.py),
 for the three backends at W = 1, 2 and 4 and under ZeRO-2, activation checkpointing, HSDP 2x2,
-bfloat16 and a world size that leaves ranks with empty shards (a unit per block). Also the
-per-rank state, the largest rank, the reserve model's rules, and plan.py's refusals and output.
+bfloat16 and a world size that leaves ranks with empty shards (a unit per block). So do the bytes
+per collective kind and step. Also the per-rank state, the largest rank, the reserve model's rules,
+and plan.py's refusals and output.
 
 The real runs use a process group whose collectives complete at once on the calling thread. Under
 gloo the peak also holds gloo's own copies of what it reduces, freed on gloo's threads at times of
@@ -76,6 +77,20 @@ def test_planned_state_is_what_the_rank_holds(report, case):
     assert r["planned_state"] == r["measured_state"], r
 
 
+@pytest.mark.parametrize("case", CASES, ids=lambda c: " ".join(map(str, c[:3])) + " " + " ".join(c[3]))
+def test_planned_communication_is_what_the_step_issued(report, case):
+    """Bytes per collective kind in the second step, against the real run's: what FSDP2 and
+    fsdp_impl hand torch.distributed (observe.py's counter, and DTensor's functional all-reduces),
+    and what DDP's reducer hands its process group. DDP rebuilds its buckets once, in the second
+    step, and broadcasts rank 0's bucket order: a message of a few bytes that no later step sends."""
+    r = report[key(*case)]
+    assert "error" not in r, r["error"]
+    measured = dict(r["measured_comm"])
+    if case[0] == "ddp" and case[1] > 1:
+        assert measured.pop("broadcast") < 1024, r
+    assert r["planned_comm"] == measured, r
+
+
 def test_rank_0_holds_the_largest_shards(report):
     """plan.py reports rank 0 by default: torch.chunk's split gives the earlier ranks the rows."""
     first, last = (report[key("custom_fsdp", 48, rank, ["--wrap_policy=block"])] for rank in (0, 47))
@@ -128,10 +143,35 @@ def test_plan_prints_a_table_and_writes_json(tmp_path, data):
         # 4 micro-steps over W ranks: gradient sync is off in all but the last, so each rank keeps
         # the whole model's unsharded float32 grads, W times its float32 shards
         assert r["micro_steps"] > 1 and r["peak_made_of"]["gradients"] >= r["nproc"] * r["peak_made_of"]["parameters"]
+        # the projection: nccl-tests' bus bytes ((n-1)/n of a gather's or a reduce-scatter's bytes, twice
+        # that of an all-reduce's) over the NVLink default within a node
+        share, comm = (r["nproc"] - 1) / r["nproc"], r["comm_bytes_per_step"]
+        bus = share * (comm.get("all_gather", 0) + comm.get("reduce_scatter", 0) + 2 * comm.get("all_reduce", 0))
+        assert r["comm_bus_bytes_per_step"] == round(bus) and r["busbw_gbps"] == 360
+        assert r["comm_seconds_per_step"] == r["comm_bus_bytes_per_step"] / 360e9 and (r["nproc"] == 1) == (bus == 0)
     assert "custom_fsdp" in res.stdout and "planning custom_fsdp at W=2" in res.stderr
     assert "compile=True is planned as eager" in res.stdout
     assert (tmp_path / "plan.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert max(len(line) for line in res.stdout.splitlines()) <= 120
+
+
+def test_cpu_offload_plans_the_gpus_side(tmp_path, data):
+    """Under cpu_offload the state (sharded parameters, gradients, optimizer state) lives in host
+    memory: the GPU's peak is the run's without it, and the host holds the state. A model of the
+    offloaded run (no CUDA here), checked against the plan without offload."""
+    rows = {}
+    for offload in (False, True):
+        out = tmp_path / f"plan-{offload}.json"
+        res = launch(["python", REPO / "plan.py", "--dist_backend=custom_fsdp", "--nproc=2", *MODEL,
+                      f"--data_dir={data}", f"--json={out}", f"--cpu_offload={offload}"], timeout=120)
+        assert res.returncode == 0, res.describe()
+        (rows[offload],) = json.loads(out.read_text())
+    plain, offloaded = rows[False], rows[True]
+    assert plain["host_bytes"] == 0 and offloaded["host_bytes"] == offloaded["state_bytes"] == plain["state_bytes"]
+    assert plain["peak_allocated_bytes"] - plain["state_bytes"] <= offloaded["peak_allocated_bytes"]
+    assert offloaded["peak_allocated_bytes"] <= plain["peak_allocated_bytes"] - plain["peak_made_of"]["parameters"]
+    assert offloaded["comm_bytes_per_step"] == plain["comm_bytes_per_step"]
+    assert "host memory" in res.stdout
 
 
 def test_the_largest_batch_that_fits_is_the_largest(tmp_path, data):
@@ -158,7 +198,8 @@ def test_the_largest_batch_that_fits_is_the_largest(tmp_path, data):
 @pytest.mark.parametrize("args,names", [(["--nproc=2,x"], "--nproc"), (["--nproc=0"], "--nproc"),
                                         (["--n_layers=3"], "n_layers"), (["--dist_backend=zero"], "zero"),
                                         (["--gpu=v100"], "v100"), (["--gpu_mem_gib=-1"], "--gpu_mem_gib"),
-                                        (["--rank=-1"], "--rank")])
+                                        (["--rank=-1"], "--rank"), (["--busbw_gbps=fast"], "--busbw_gbps"),
+                                        (["--dist_backend=ddp", "--cpu_offload=True"], "cpu_offload")])
 def test_bad_input_is_one_line(args, names):
     res = launch(["python", REPO / "plan.py", *args], timeout=60)
     assert names in one_error_line(res)
