@@ -21,7 +21,7 @@ from torch.distributed.utils import _apply_to_tensors
 
 from . import comm
 from .schedule import Schedule
-from .unit import FORWARD, GATHERING, ShardedUnit, reshard_after_forward_flag
+from .unit import FORWARD, GATHERING, ShardedUnit
 
 
 @dataclass(frozen=True)
@@ -87,13 +87,16 @@ def fully_shard(module, *, mesh=None, reshard_after_forward=None, shard_placemen
 
     reshard_after_forward: True frees the gathered parameters after forward (ZeRO-3), False keeps
     them until after backward (ZeRO-2); None means True, except for the root, which keeps them.
-    FSDP2's int form is taken where it means a bool (1 or the shard group's size).
+    FSDP2's int form: 1 means False, the shard group's size True; another factor G of it keeps, after
+    forward, each rank's piece of the gathered parameters over its group of G consecutive ranks, so
+    that backward's all-gather runs within it (not with tensor parallel or dim > 0 sharding).
     offload_policy: CPUOffloadPolicy (ours or torch's) keeps the shards in CPU memory; the base
     OffloadPolicy() keeps them on the mesh's device, as on a CPU mesh any policy does.
     A 2-D mesh (replicate, shard) gives HSDP.
     ignored_params: parameters left as they are, as FSDP2 leaves them: not sharded, not moved, their
     gradients not reduced. shard_placement_fn(param) -> Shard(dim) or None (dim 0), as FSDP2's: a
-    dim other than 0 must split evenly, and not a tensor parallel parameter's; dp_mesh_dims is refused.
+    dim other than 0 must split evenly (a tensor parallel parameter's tp-local tensor is what splits);
+    dp_mesh_dims is refused.
     As FSDP2's, it moves the modules' buffers to the mesh's device, and on CUDA the root's forward
     moves its inputs there.
     """
@@ -330,10 +333,10 @@ class FSDPModule:
             unit.reshard_after_backward = reshard_after_backward
 
     def set_reshard_after_forward(self, reshard_after_forward, *, recurse=True):
-        if reshard_after_forward is None:  # (None is fully_shard's "decide at the first forward")
-            raise ValueError("set_reshard_after_forward(None): pass True or False")
+        if not isinstance(reshard_after_forward, bool):  # (FSDP2's: None and group sizes are fully_shard's)
+            raise ValueError(f"set_reshard_after_forward({reshard_after_forward!r}): pass True or False")
         for unit in self._units(recurse):
-            unit.reshard_after_forward = reshard_after_forward_flag(reshard_after_forward, unit.world)
+            unit.reshard_after_forward, unit.post_forward_size = reshard_after_forward, None
 
     def set_requires_all_reduce(self, requires_all_reduce, *, recurse=True):
         for unit in self._units(recurse):

@@ -8,8 +8,9 @@ the bytes. On both the communication runs while the caller computes, until the w
 calls run on gloo and NCCL, so the CPU tests exercise what GPU users run.
 
 `ledger` counts collectives and bytes and, when `ledger.events` is a list, logs the order of
-events (all-gather issued / waited, forward / backward of a unit, reduce-scatter issued /
-waited, free). Logging costs one `if` per event when off.
+events (all-gather issued (all_gather_in_smaller_group: within the group a unit resharded to after
+forward) / waited, forward / backward of a unit, reduce-scatter issued / waited, free). Logging
+costs one `if` per event when off.
 """
 import functools
 from contextlib import nullcontext

@@ -20,6 +20,9 @@ Memory layout (W ranks in the shard group, rank r):
 
 With one rank the shard already has the full layout: the all-gather is a copy straight into
 flat_full and the reduce-scatter is the identity (its input becomes the sharded .grads).
+Resharded after forward to groups of G consecutive ranks (reshard_after_forward=G, FSDP2's int
+form), rank r keeps piece r % G of each parameter's padded full tensor in flat_full (and of each
+alignment gap: `_group_shard`), and the next all-gather gathers those over its group into place.
 
 Gradients go the other way (reduce.py): unsharded grads -> [W, S] -> one reduce-scatter (AVG) ->
 [S], whose pieces become the sharded DTensor .grads. The layout and the collectives are exactly
@@ -56,6 +59,7 @@ class Gather(NamedTuple):
     output: torch.Tensor
     input: torch.Tensor
     copied_in: object  # offload: the copy-in stream's event after the shard's copy, else None
+    in_group: bool  # from `_group_shard`, over the smaller group (rank-major over it)
 
 
 def typed_view(flat, start, numel, dtype):
@@ -67,15 +71,14 @@ def typed_view(flat, start, numel, dtype):
 
 
 def reshard_after_forward_flag(value, world):
-    """FSDP2's reshard_after_forward over `world` ranks -> True, False or None (decided at lazy init).
-    Of its ints, the two that mean a bool are taken (1: False, `world`: True); resharding to a
-    smaller group after forward is not implemented."""
+    """FSDP2's reshard_after_forward over `world` ranks -> (True, False or None (decided at lazy init),
+    the size of the smaller group to reshard to after forward, or None). Its ints are group sizes
+    that divide `world`: 1 means False, `world` True."""
     if value is None or isinstance(value, bool):
-        return value
-    if isinstance(value, int) and value in (1, world):
-        return value != 1
-    raise ValueError(f"reshard_after_forward={value!r} over {world} ranks: use True, False or None "
-                     "(fsdp_impl does not reshard to a smaller group after forward)")
+        return value, None
+    if not isinstance(value, int) or not 0 < value <= world or world % value:  # (FSDP2's exception type)
+        raise ValueError(f"reshard_after_forward={value!r} over {world} ranks: use a bool, None or a factor of {world}")
+    return value > 1, value if 1 < value < world else None
 
 
 class ShardedUnit:
@@ -92,7 +95,8 @@ class ShardedUnit:
         self.placements = (Replicate(), Shard(0)) if mesh.ndim == 2 else (Shard(0),)
         self.world = self.shard_group.size()
         self.rank = mesh.get_local_rank(mesh.ndim - 1)
-        self.reshard_after_forward = reshard_after_forward_flag(reshard_after_forward, self.world)
+        self.reshard_after_forward, self.post_forward_size = reshard_after_forward_flag(reshard_after_forward,
+                                                                                       self.world)
         self.mp = mp_policy
         self.offload = offload_policy is not None
         self.pin_memory = self.offload and offload_policy.pin_memory
@@ -116,10 +120,13 @@ class ShardedUnit:
         self.modules_to_run = set()  # of a forward under way: a grouped unit's ends once all of them ran
         self.needs_post_backward = False  # a forward with grad ran: its backward will bring grads
         self._gather = None  # Gather, while GATHERING
+        self._group_shard = None  # after forward with post_forward_size: this rank's piece over that group
         self.grads = GradReduction(self)  # the gradients' way to the sharded .grads
         self._phase_range = None  # profiler range of this unit's forward or backward, while open
         self._shard()
         self._move_buffers()
+        if self.post_forward_size:
+            self._init_post_forward_group()
 
     # ---- construction --------------------------------------------------------------------
     def _managed_params(self):
@@ -184,8 +191,8 @@ class ShardedUnit:
 
     def _shard_dim(self, param, name):
         """The dim shard_placement_fn asks for (Shard(dim) or None: 0), negative ones counted from the
-        end. As FSDP2, a dim other than 0 must split evenly over the shard group; not taken for a
-        tensor parallel parameter (FSDP2 would shard its tp-local tensor there)."""
+        end; of a tensor parallel parameter, a dim of its tp-local tensor (FSDP2's). As FSDP2, a dim
+        other than 0 must split evenly over the shard group."""
         placement = self.shard_placement_fn(param) if self.shard_placement_fn else None
         if placement is None:
             return 0
@@ -195,26 +202,35 @@ class ShardedUnit:
         dim = placement.dim + param.dim() if placement.dim < 0 else placement.dim
         if not 0 <= dim < param.dim():  # (FSDP2's exception type)
             raise AssertionError(f"{where}: no such dim")
-        if dim > 0 and isinstance(param, DTensor):
-            raise NotImplementedError(f"{where}; fsdp_impl shards a tensor parallel parameter on dim 0 only")
-        if dim > 0 and param.shape[dim] % self.world:  # (FSDP2's exception type)
+        local = param._local_tensor if isinstance(param, DTensor) else param
+        if dim > 0 and local.shape[dim] % self.world:  # (FSDP2's exception type)
             raise NotImplementedError(f"{where}: uneven sharding on dim {dim} over {self.world} ranks")
         return dim
 
     def _sharded_placement(self, param, dim):
         """(mesh, placements) of a parameter's sharded DTensor. A tensor parallel parameter's mesh is
-        the dp mesh's dims then the tp mesh's; its dp dim shards rows of the tp-local tensor, which
-        DTensor spells _StridedShard when tp shards dim 0 too (FSDP2's spec, so state dicts agree)."""
+        the dp mesh's dims then the tp mesh's; its dp dim shards the tp-local tensor along `dim`, which
+        DTensor spells _StridedShard when tp shards that dim too (FSDP2's spec, so state dicts agree)."""
         if not isinstance(param, DTensor):
             return self.mesh, self.placements[:-1] + (Shard(dim),)
         spec = param._spec
         if self.mesh.mesh_dim_names is None or spec.mesh.mesh_dim_names is None:
             raise ValueError(f"fully_shard({self.name}): a tensor parallel parameter needs named mesh dims "
                              "(init_device_mesh(..., mesh_dim_names=...)), to name its combined mesh")
-        split = spec.num_shards_map[0]
-        shard = _StridedShard(0, split_factor=split) if split > 1 else Shard(0)
+        split = spec.num_shards_map[dim]
+        shard = _StridedShard(dim, split_factor=split) if split > 1 else Shard(dim)
         return (DeviceMesh._concatenate([self.mesh, spec.mesh]),
                 self.placements[:-1] + (shard,) + tuple(spec.placements))
+
+    def _init_post_forward_group(self):
+        """reshard_after_forward as a smaller group size: FSDP2's groups of that many consecutive
+        ranks of the mesh, over which the first all-gather after forward runs."""
+        size = self.post_forward_size
+        if any(ps.tp_spec is not None or ps.dim for ps in self.params):  # (FSDP2 refuses the one, fails on the other)
+            raise NotImplementedError(f"fully_shard({self.name}): reshard_after_forward={size} with a tensor "
+                                      "parallel parameter or one sharded on dim > 0")
+        self.post_forward_group = DeviceMesh(self.mesh.device_type, self.mesh.mesh.view(-1, size)).get_group(1)
+        self.post_forward_rank = self.rank % size
 
     def _move_buffers(self):
         """Buffers (masks, running statistics) go where forward runs, as FSDP2 moves them; meta ones
@@ -264,6 +280,9 @@ class ShardedUnit:
             if ps.dim:
                 self._cat_slots.append((len(self._slots) - 1, ps))
             cursor = ps.gather_offset + ps.gather_slot
+        if self.post_forward_size:  # each of them cut in that many pieces: a rank keeps one after forward
+            self._group_slots = [slot * self.world // self.post_forward_size for slot in self._slots]
+            self._group_full_slots = [full.view(self.post_forward_size, -1) for full in self._full_slots]
         self._full_bytes = self.flat_full.untyped_storage().nbytes()
         self.flat_full.untyped_storage().resize_(0)
         self._sync_requires_grad()
@@ -346,14 +365,16 @@ class ShardedUnit:
         # (no torch.no_grad(): nothing here requires grad, neither the flat shard nor flat_full, so
         # nothing records a graph; the switch would cost host time twice per unit and step)
         with profiled(f"fsdp::all_gather {self.name}"), on_stream(copy_in):
-            ledger.log("all_gather", self.name)
-            shard = self.flat_shard
-            if self.repack:  # each parameter's shard cast into its place (the padding is never read)
+            shard, group = self.flat_shard, self.shard_group
+            if self._group_shard is not None:  # resharded to the smaller group after forward: gathered there
+                shard, group, self._group_shard = self._group_shard, self.post_forward_group, None
+            elif self.repack:  # each parameter's shard cast into its place (the padding is never read)
                 shard = torch.empty(self.gather_numel, dtype=self.gather_dtype, device=self.compute_device)
                 torch._foreach_copy_([shard[ps.gather_offset:ps.gather_offset + ps.local_numel] for ps in self.params],
                                      [ps.sharded._local_tensor.view(-1) for ps in self.params], non_blocking=True)
             elif self.world > 1 and (shard.dtype != self.gather_dtype or shard.device != self.compute_device):
                 shard = shard.to(self.compute_device, self.gather_dtype, non_blocking=True)
+            ledger.log("all_gather" if group is self.shard_group else "all_gather_in_smaller_group", self.name)
             if self.world == 1:
                 # one rank: the shard already has the full layout, so the "all-gather" copies
                 # (and casts) it straight into the unsharded parameters, with no copy-out
@@ -366,8 +387,9 @@ class ShardedUnit:
             # these same tensors in forward and must not see that as an in-place change (the
             # copy-out below is guarded the same way)
             with torch.autograd._unsafe_preserve_version_counter(self.flat_full):
-                work = comm.all_gather(output, shard, self.shard_group)
-            self._gather = Gather(work, output, shard, copy_in.record_event() if copy_in is not None else None)
+                work = comm.all_gather(output, shard, group)
+            self._gather = Gather(work, output, shard, copy_in.record_event() if copy_in is not None else None,
+                                  group is not self.shard_group)
         self.state = GATHERING
 
     def wait_unshard(self):
@@ -377,14 +399,19 @@ class ShardedUnit:
             self._finish_gather()
 
     def _finish_gather(self):
-        work, output, _, copied_in = self._gather
+        work, output, _, copied_in, in_group = self._gather
         with profiled(f"fsdp::all_gather_wait {self.name}"):  # (no graph to keep from, as in unshard)
             work.wait()  # (if it raises, the gather stays pending: a later wait raises the same error)
             if copied_in is not None:
                 torch.cuda.current_stream().wait_event(copied_in)
             self._gather = None
             ledger.log("all_gather_wait", self.name)
-            if output is not self.flat_full:  # copy out of the rank-major all-gather buffer
+            if in_group:  # rank-major over the group: each piece into its place
+                self._fill_flat_full()
+                with torch.autograd._unsafe_preserve_version_counter(self.flat_full):
+                    torch.split_with_sizes_copy(output.view(self.post_forward_group.size(), -1), self._group_slots,
+                                                dim=1, out=self._group_full_slots)
+            elif output is not self.flat_full:  # copy out of the rank-major all-gather buffer
                 self._fill_flat_full()
                 # a parameter sharded on dim d > 0 arrives as its chunks, one per rank: into a temporary,
                 # then concatenated along d into its place
@@ -416,10 +443,14 @@ class ShardedUnit:
             for module, name in ps.registrations:
                 module._parameters[name] = param
 
-    def reshard(self):
-        """Free the unsharded parameters; the module holds its sharded DTensors again."""
+    def reshard(self, to_group=False):
+        """Free the unsharded parameters; the module holds its sharded DTensors again. to_group (after
+        forward, with post_forward_size): this rank keeps its piece of them over the smaller group, which
+        the next all-gather gathers from; any other reshard drops it (FSDP2's states too)."""
         if self.state == GATHERING:
             self._finish_gather()
+        self._group_shard = (torch.cat([full[self.post_forward_rank] for full in self._group_full_slots])
+                             if to_group and self.state == UNSHARDED and self.params else None)
         if self.state != UNSHARDED:
             return
         self._sync_requires_grad()  # a freeze of the unsharded parameters outlives them
@@ -491,7 +522,7 @@ class ShardedUnit:
         self._end_phase_range()
         self.schedule.record_post_forward(self)
         if self.reshard_after_forward:
-            self.reshard()
+            self.reshard(to_group=self.post_forward_size is not None)
         self.training_state = IDLE
         if grad_enabled:
             self.needs_post_backward = True

@@ -1052,24 +1052,15 @@ def what_is_refused(impl, mesh):
 
 
 def refused_arguments(impl, mesh):
-    """fully_shard with what fsdp_impl does not do: dp_mesh_dims, and shard_placement_fn asking for
-    dim 1 of a tensor parallel parameter (tp over one rank). FSDP2: whether it trains; fsdp_impl:
-    what it raises."""
+    """fully_shard with what fsdp_impl does not do: dp_mesh_dims. FSDP2: whether it trains;
+    fsdp_impl: what it raises."""
     from torch.distributed.fsdp import DataParallelMeshDims
-    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
-    dp_tp = init_device_mesh("cpu", (dist.get_world_size(), 1), mesh_dim_names=("dp", "tp"))
-    cases = {"dp_mesh_dims": (None, dict(mesh=init_device_mesh("cpu", (dist.get_world_size(),),
-                                                               mesh_dim_names=("dp",)),
-                                         dp_mesh_dims=DataParallelMeshDims(shard="dp"))),
-             "shard_placement_fn_dim_1_of_a_tensor_parallel_parameter": (
-                 lambda model: parallelize_module(model, dp_tp["tp"], ColwiseParallel()),
-                 dict(mesh=dp_tp["dp"], **SHARD_MATRICES_ON_DIM_1))}
+    cases = {"dp_mesh_dims": dict(mesh=init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("dp",)),
+                                  dp_mesh_dims=DataParallelMeshDims(shard="dp"))}
     res = {}
-    for case, (parallelize, kw) in cases.items():
+    for case, kw in cases.items():
         try:
             model = nn.Linear(2 * D, 2 * D)
-            if parallelize:
-                parallelize(model)
             SHARD[impl](model, **{"mesh": mesh, **kw})
             model(torch.randn(4, 2 * D)).sum().backward()
             res[case] = "trained"

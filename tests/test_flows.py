@@ -271,12 +271,11 @@ def test_fsdp2_methods_fsdp_impl_lacks_are_refused_in_one_line(report):
 
 
 def test_fully_shard_arguments_fsdp_impl_lacks_are_refused_in_one_line(report):
-    """dp_mesh_dims, and shard_placement_fn asking for dim 1 of a tensor parallel parameter (FSDP2
-    trains it): refused at fully_shard time with NotImplementedError, in one line."""
+    """dp_mesh_dims: refused at fully_shard time with NotImplementedError, in one line. (shard_placement_fn
+    on dim 1 of a tensor parallel parameter trains as FSDP2's: tests/test_tensor_parallel.py.)"""
     r = report["refused_arguments"]
-    assert r["fsdp2"]["shard_placement_fn_dim_1_of_a_tensor_parallel_parameter"] == "trained", r  # what we lack
     assert r["ours"] == {case: {"type": "NotImplementedError", "lines": 1} for case in r["ours"]}, r["ours"]
-    assert set(r["ours"]) == {"shard_placement_fn_dim_1_of_a_tensor_parallel_parameter", "dp_mesh_dims"}
+    assert set(r["ours"]) == {"dp_mesh_dims"}
 
 
 def test_sharded_parameters_on_dim_1_are_laid_out_as_fsdp2s(report):

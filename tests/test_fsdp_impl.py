@@ -642,15 +642,17 @@ def test_the_default_mesh_is_fsdp2s_and_belongs_to_the_current_process_group():
     assert lines[4] == "base policy offloads False", lines
 
 
-@pytest.mark.parametrize("value, expected", [(True, True), (False, False), (None, None), (4, True), (1, False)])
+@pytest.mark.parametrize("value, expected", [(True, (True, None)), (False, (False, None)), (None, (None, None)),
+                                             (4, (True, None)), (1, (False, None)), (2, (True, 2))])
 def test_reshard_after_forward_takes_fsdp2s_values(value, expected):
-    """FSDP2 reads an int as the group to reshard to after forward: the whole shard group is True,
-    one rank is False. Those two are taken; the rest (a smaller group) is refused, not run as True."""
+    """FSDP2 reads an int as the size of the group to reshard to after forward: the whole shard group
+    is True, one rank is False, another factor of the group's size a smaller group (tests/tp_worker.py
+    trains with it)."""
     from fsdp_impl.unit import reshard_after_forward_flag
-    assert reshard_after_forward_flag(value, 4) is expected
+    assert reshard_after_forward_flag(value, 4) == expected
 
 
-@pytest.mark.parametrize("value", [2, 0, 8, "yes", 1.0])
+@pytest.mark.parametrize("value", [3, 0, -2, 8, "yes", 1.0])
 def test_reshard_after_forward_refuses_what_it_cannot_do(value):
     from fsdp_impl.unit import reshard_after_forward_flag
     with pytest.raises(ValueError, match="reshard_after_forward"):
@@ -682,25 +684,29 @@ for shard in (fsdp2_fully_shard, fully_shard):
         print("accepted")
     except ValueError as e:
         print("refused", str(e).splitlines()[0])
-for shard in (fsdp2_fully_shard, fully_shard):
-    try:
-        shard(nn.Linear(2, 2)).set_reshard_after_forward(None)
-        print("accepted")
-    except ValueError as e:
-        print("refused", str(e).splitlines()[0])
+for value in (None, 1):
+    for shard in (fsdp2_fully_shard, fully_shard):
+        try:
+            shard(nn.Linear(2, 2)).set_reshard_after_forward(value)
+            print("accepted")
+        except ValueError as e:
+            print("refused", str(e).splitlines()[0])
 """
 
 
 def test_torchs_policy_objects_mean_what_they_mean_to_fsdp2():
     """Code written for FSDP2 passes torch's base OffloadPolicy() (its default, no offload) and may
     pass an int reshard_after_forward: the first trains as FSDP2 does, on CPU; an int that names no
-    group of the mesh is refused by both, and so is None given to set_reshard_after_forward."""
-    lines = _last_lines(FSDP2_POLICY_OBJECTS, 6)
+    group of the mesh is refused by both, and so is anything but a bool given to set_reshard_after_forward
+    (None, an int)."""
+    lines = _last_lines(FSDP2_POLICY_OBJECTS, 8)
     assert lines[:2] == ["offload False", "same True"], lines
     assert lines[2].startswith("refused"), lines  # FSDP2, the reference behaviour
     assert lines[3].startswith("refused reshard_after_forward=3 over 1 ranks"), lines
     assert lines[4].startswith("refused"), lines  # FSDP2 again: set_reshard_after_forward(None)
     assert lines[5].startswith("refused set_reshard_after_forward(None)"), lines
+    assert lines[6].startswith("refused"), lines  # FSDP2: set_reshard_after_forward(1)
+    assert lines[7].startswith("refused set_reshard_after_forward(1)"), lines
 
 
 def readme_loop():
