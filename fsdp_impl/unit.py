@@ -165,6 +165,9 @@ class ShardedUnit:
         for p, regs in found.items():
             if p.dim() == 0:
                 raise ValueError(f"fully_shard({self.name}): 0-dim parameter {regs[0][1]} is not supported")
+            if not (p._local_tensor if isinstance(p, DTensor) else p).is_contiguous():  # (FSDP2 refuses them too)
+                raise NotImplementedError(f"fully_shard({self.name}): {regs[0][1]} is not contiguous (channels_last, "
+                                          "say): sharding would lose its memory format; make it contiguous first")
             dim = self._shard_dim(p, regs[0][1])
             self.params.append(ParamShard(regs, p, self.world, self.rank, *self._sharded_placement(p, dim), dim))
         self._lay_out([p.dtype for p in found])

@@ -1029,7 +1029,7 @@ def deepcopy_of_a_sharded_model(impl, mesh):
 def what_is_refused(impl, mesh):
     """What fully_shard raises for what FSDP2 refuses: a container with no forward of its own, a 3-D
     mesh, a 2-D mesh whose dims have no names, parameters of two dtypes that both train, a dim other
-    than 0 that does not split evenly (3 columns over 2 ranks)."""
+    than 0 that does not split evenly (3 columns over 2 ranks), a channels_last (non-contiguous) weight."""
     def raised(attempt):
         try:
             attempt()
@@ -1048,6 +1048,8 @@ def what_is_refused(impl, mesh):
             "module_dict": raised(lambda: SHARD[impl](nn.ModuleDict({"a": nn.Linear(2, 2)}), mesh=mesh)),
             "mesh_3d": raised(lambda: SHARD[impl](nn.Linear(2, 2), mesh=mesh_3d)),
             "unnamed_2d_mesh": raised(lambda: SHARD[impl](nn.Linear(2, 2), mesh=unnamed_2d)),
+            "channels_last_parameter": raised(lambda: SHARD[impl](nn.Conv2d(2, 4, 3).to(
+                memory_format=torch.channels_last), mesh=mesh)),
             "uneven_shard_on_dim_1": raised(lambda: SHARD[impl](nn.Linear(3, 3), mesh=mesh, **SHARD_MATRICES_ON_DIM_1))}
 
 

@@ -34,7 +34,7 @@ submodule of a gathered unit holds the sharded DTensors; the first forward of a 
 meta device is a RuntimeError that says so; block.compile() before sharding makes as many graphs
 as under FSDP2 (the hooks stay out of them). What FSDP2 refuses at fully_shard time (a container
 without a forward, a 3-D mesh, a 2-D mesh without dim names, two dtypes that both train, an
-uneven split on dim 1) is refused with its exception types, and a slice of a sharded nn.Sequential
+uneven split on dim 1, a channels_last weight) is refused with its exception types, and a slice of a sharded nn.Sequential
 is a plain Sequential. Code written for FSDP2 that trained wrongly or crashed later
 here: a meta-device unit of which a rank holds nothing, an optimizer stepped from the sharded
 parameters' post-accumulate-grad hooks, CPUOffloadPolicy on a CPU mesh, a grouped unit whose
@@ -242,7 +242,7 @@ def test_non_root_forward_first_raises(report):
 
 def test_what_fsdp2_refuses_is_refused_at_fully_shard_with_its_exception_type(report):
     """A container without a forward of its own, a 3-D mesh, a 2-D mesh without dim names, an uneven
-    split on dim 1: refused at once, in one line, with FSDP2's exception type."""
+    split on dim 1, a channels_last weight: refused at once, in one line, with FSDP2's exception type."""
     r = report["what_is_refused"]
     assert all(r["fsdp2"][case] for case in r["fsdp2"]), r["fsdp2"]  # the reference behaviour
     for case, theirs in r["fsdp2"].items():
