@@ -21,7 +21,11 @@ it, resized when a storage is resized (FSDP's gathers), freed when the last tens
 The counts are CPU tensors', as on --device=cpu: the figures a CPU run allocates, to the byte (the
 tests hold the plan to the CPU allocator's own count). The GPU's reserve is CUDA's caching
 allocator replayed over them. Not modelled yet: CUDA's kernels and their scratch, autocast on
-CUDA, several streams, CUDA's context and cuBLAS's and NCCL's buffers.
+CUDA, several streams, CUDA's context and cuBLAS's and NCCL's buffers. cpu_offload is planned as
+the run without it, less the state that offload keeps in host memory (device_side).
+
+Communication is counted in the same run, per collective kind; its time is a projection over a
+bus bandwidth (busbw), NCCL's measured figures by default.
 """
 import bisect
 import os
