@@ -134,7 +134,8 @@ class Observer:
         if self.cuda:
             row |= {"allocated_mb": torch.cuda.memory_allocated() / 2**20,
                     "max_allocated_mb": torch.cuda.max_memory_allocated() / 2**20,
-                    "reserved_mb": torch.cuda.memory_reserved() / 2**20}
+                    "reserved_mb": torch.cuda.memory_reserved() / 2**20,
+                    "max_reserved_mb": torch.cuda.max_memory_reserved() / 2**20}  # (plan.py's reserve predicts it)
         row |= model_state_mb(model, optimizer)
         if dist.is_initialized():
             keys = [k for k in row if k.endswith("_mb")]
