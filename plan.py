@@ -510,6 +510,8 @@ def plan(settings, backend_name, world, rank):
     is planned without it, and the GPU's side is what stays after the state moves to host memory."""
     started = time.time()
     offload = settings["cpu_offload"]
+    if offload and backend_name == "ddp":  # (planned without offload below: ask train.py's refusal here)
+        raise BackendError("cpu_offload and replicate_degree apply to the sharded backends only")
     counter, state, local_steps = run(dict(settings, cpu_offload=False), backend_name, world, rank)
     peak, peak_at, made_of, trace = counter.peak, counter.peak_where, counter.made_of(), counter.trace
     if offload:
@@ -645,9 +647,7 @@ def main(argv):
     settings["vocab_size"] = vocab_size(settings)
     compiled, settings["compile"] = settings["compile"], False  # (torch.compile's kernels: not planned)
     backends = [settings["dist_backend"]] if given_backend else list(BACKENDS)
-    if settings["cpu_offload"]:  # (planned as the run without it: ask DDP's refusal of it here)
-        if given_backend and settings["dist_backend"] == "ddp":
-            configurator.fail("cpu_offload and replicate_degree apply to the sharded backends only")
+    if settings["cpu_offload"] and not given_backend:  # (DDP does not offload: plan(ddp) refuses it)
         backends = [b for b in backends if b != "ddp"]
     rows = []
     for backend_name in backends:

@@ -24,6 +24,11 @@ def same_storage(a, b):
     return a.untyped_storage()._cdata == b.untyped_storage()._cdata
 
 
+def local_tensor(param):
+    """What the dp group shards: a tensor parallel parameter's local tensor, else the parameter."""
+    return param._local_tensor if isinstance(param, DTensor) else param
+
+
 def contiguous_stride(shape):
     return tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
 
@@ -47,7 +52,7 @@ class ParamShard:
     def __init__(self, registrations, param, world, rank, mesh, placements, dim):
         self.registrations = registrations  # [(module, attribute name)], several when tied
         self.tp_spec = param._spec if isinstance(param, DTensor) else None
-        self.shape = param._local_tensor.shape if self.tp_spec else param.shape  # what the dp group shards
+        self.shape = local_tensor(param).shape  # what the dp group shards
         self.dim = dim  # this rank holds torch.chunk(tensor, W, dim)[rank] (only dim 0 may split unevenly)
         size = math.ceil(self.shape[dim] / world)  # torch.chunk's length per rank (FSDP2's too)
         self.first = rank * size  # this rank's first index along dim

@@ -103,9 +103,10 @@ class GradReduction:
                                          [grad.flatten() for grad in grads])
                 if copy_out is not None:  # the grads stay alive until the copy-out stream has read them
                     u.schedule.hold_until_read(list(grads), copy_out.record_event())
-            else:  # (a grad sharded on dim d > 0: its chunks along d as rows, each rank's one, as FSDP2 copies it)
-                grads[:] = [torch.cat(grad.chunk(u.world, ps.dim)) if ps.dim else grad
-                            for ps, grad in zip(params, grads)]
+            else:
+                if u.on_other_dims:  # a grad sharded on dim d > 0: its chunks along d as rows (FSDP2's copy)
+                    grads[:] = [torch.cat(grad.chunk(u.world, ps.dim)) if ps.dim else grad
+                                for ps, grad in zip(params, grads)]
                 rs_input = torch.empty(u.world * numel, dtype=u.reduce_dtype, device=u.compute_device)
                 torch._chunk_cat(grads, dim=0, num_chunks=u.world, out=rs_input.view(u.world, -1))
             grads.clear()  # the unsharded gradients are freed here

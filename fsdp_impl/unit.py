@@ -46,7 +46,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from . import comm
 from .comm import ledger, on_stream, profiled
-from .param import ParamShard, UnshardedParam, same_storage
+from .param import ParamShard, UnshardedParam, local_tensor, same_storage
 from .reduce import GradReduction
 
 SHARDED, GATHERING, UNSHARDED = "sharded", "gathering", "unsharded"  # where the parameters are: `state`
@@ -165,17 +165,18 @@ class ShardedUnit:
         for p, regs in found.items():
             if p.dim() == 0:
                 raise ValueError(f"fully_shard({self.name}): 0-dim parameter {regs[0][1]} is not supported")
-            if not (p._local_tensor if isinstance(p, DTensor) else p).is_contiguous():  # (FSDP2 refuses them too)
+            if not local_tensor(p).is_contiguous():  # (FSDP2 refuses them too)
                 raise NotImplementedError(f"fully_shard({self.name}): {regs[0][1]} is not contiguous (channels_last, "
                                           "say): sharding would lose its memory format; make it contiguous first")
             dim = self._shard_dim(p, regs[0][1])
             self.params.append(ParamShard(regs, p, self.world, self.rank, *self._sharded_placement(p, dim), dim))
+        self.on_other_dims = any(ps.dim for ps in self.params)  # some sharded on a dim other than 0
         self._lay_out([p.dtype for p in found])
         on_meta = any(p.is_meta for p in found)
         self.flat_shard = self._new_flat_shard(torch.device("meta") if on_meta else self.compute_device)
         for ps, p in zip(self.params, found):
             if not on_meta:
-                self._local_view(ps).copy_(ps.chunk_of((p._local_tensor if ps.tp_spec else p).detach()))
+                self._local_view(ps).copy_(ps.chunk_of(local_tensor(p).detach()))
             ps.sharded = nn.Parameter(ps.as_sharded(self._local_view(ps)), requires_grad=p.requires_grad)
         self._register(unsharded=False)
 
@@ -205,8 +206,7 @@ class ShardedUnit:
         dim = placement.dim + param.dim() if placement.dim < 0 else placement.dim
         if not 0 <= dim < param.dim():  # (FSDP2's exception type)
             raise AssertionError(f"{where}: no such dim")
-        local = param._local_tensor if isinstance(param, DTensor) else param
-        if dim > 0 and local.shape[dim] % self.world:  # (FSDP2's exception type)
+        if dim > 0 and local_tensor(param).shape[dim] % self.world:  # (FSDP2's exception type)
             raise NotImplementedError(f"{where}: uneven sharding on dim {dim} over {self.world} ranks")
         return dim
 
@@ -312,8 +312,7 @@ class ShardedUnit:
             raise AssertionError(f"fully_shard({self.name}): parameters that require grad must share a dtype, "
                                  f"got {trainable}")
         self.grad_dtype = trainable.pop() if trainable else self.params[0].dtype if self.params else torch.float32
-        self.param_dtype = self.mp.param_dtype or self.grad_dtype
-        self.reduce_dtype = self.mp.reduce_dtype or self.param_dtype
+        self.reduce_dtype = self.mp.reduce_dtype or self.mp.param_dtype or self.grad_dtype
 
     @torch.no_grad()  # (with grad on, the copy would record a graph back to the replaced tensors, keeping them)
     def _adopt_materialized_params(self):

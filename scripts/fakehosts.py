@@ -227,30 +227,23 @@ def state_bytes_per_rank(settings, nproc, params):
 
 def planned_peak(train_args, nproc):
     """A rank's peak allocated bytes in train.py's step at nproc ranks, as plan.py plans it (rank 0,
-    whose shards are the largest); None under cpu_offload, which the plan does not cover."""
+    whose shards are the largest; under cpu_offload, the GPU's side)."""
     import plan
     settings = plan.train_settings(train_args)
-    if settings["cpu_offload"]:
-        return None
     settings["vocab_size"] = plan.vocab_size(settings)
     return plan.in_child(plan.plan, settings, settings["dist_backend"], nproc, 0)["peak_allocated_bytes"]
 
 
-def memory_refusal(settings, nproc, params, gpu_bytes, peak=None):
-    """Why `nproc` ranks cannot fit in a GPU of gpu_bytes (one line), or None. With the plan's peak
-    per rank, that and the CUDA context; without it (cpu_offload), a floor: the model state."""
-    state = state_bytes_per_rank(settings, nproc, params)
-    per_rank = (peak if peak is not None else state) + CUDA_CONTEXT_BYTES
+def memory_refusal(settings, nproc, gpu_bytes, peak):
+    """Why `nproc` ranks cannot fit in a GPU of gpu_bytes (one line), or None: each rank's planned
+    peak and its CUDA context."""
+    per_rank = peak + CUDA_CONTEXT_BYTES
     if nproc * per_rank <= gpu_bytes:
         return None
     ddp = settings["dist_backend"] == "ddp"
-    if peak is not None:
-        what = f"a planned peak of {peak / GiB:.1f} GiB (plan.py)"
-    else:
-        split = "" if ddp else f" sharded {max(nproc // settings['replicate_degree'], 1)} ways"
-        what = f"{state / GiB:.1f} GiB of model state, {BYTES_PER_PARAM} bytes per parameter of {params / 1e9:.2f}B{split}"
     return (f"{nproc} ranks of {settings['dist_backend']} need at least {nproc} x {per_rank / GiB:.1f} GiB "
-            f"({what}, and {CUDA_CONTEXT_BYTES / GiB:.0f} GiB of CUDA context) = {nproc * per_rank / GiB:.1f} GiB, "
+            f"(a planned peak of {peak / GiB:.1f} GiB (plan.py), and {CUDA_CONTEXT_BYTES / GiB:.0f} GiB of CUDA "
+            f"context) = {nproc * per_rank / GiB:.1f} GiB, "
             f"more than the GPU's {gpu_bytes / GiB:.1f} GiB: use fewer ranks{' or a sharded backend' if ddp else ''}")
 
 
@@ -314,7 +307,12 @@ def main(argv=None):
         if settings["device"].startswith("cuda"):
             import torch
             gpu_bytes = torch.cuda.get_device_properties(0).total_memory
-            refusal = memory_refusal(settings, a.nproc, params, gpu_bytes, planned_peak(a.args, a.nproc))
+            from backends import BackendError
+            try:
+                peak = planned_peak(a.args, a.nproc)
+            except BackendError as e:  # (what train.py would refuse: ddp with cpu_offload, say)
+                error(str(e))
+            refusal = memory_refusal(settings, a.nproc, gpu_bytes, peak)
             if refusal:
                 error(refusal)
         print(f"fakehosts: {a.nproc} ranks of {settings['dist_backend']} on one {settings['device'].split(':')[0]}"

@@ -5,12 +5,13 @@ plan.py's training steps for real, measured by the allocator's own events, for t
 
 CASES.json lists [backend, world size, rank, [--key=value ...]]. For each case this process runs
 plan.run() twice: once with fake tensors (the plan), once with real ones under torch.profiler with
-profile_memory=True. Both run as one rank of W in this process. The plan's process group is
-PyTorch's fake one; the real run's is a silent one of our own, whose collectives complete at once on
-this thread and tally the bytes they are handed. So every free happens where the program drops its
-tensor; the collectives' own buffers (gloo's, NCCL's) are not the program's. The measured peak is
-the running sum of the allocation and free events' bytes, in time order. The measured communication
-is the silent group's tally of the last step.
+profile_memory=True. Both run as one rank of W in this process, in a process group whose
+collectives complete at once on this thread: PyTorch's fake one, or for DDP's real run (its reducer
+wants a result) a silent one of our own. So every free happens where the program drops its tensor;
+the collectives' own buffers (gloo's, NCCL's) are not the program's. The measured peak is the
+running sum of the allocation and free events' bytes, in time order. The measured communication is
+the last step's: the bytes FSDP2 and fsdp_impl hand torch.distributed's Python API, or those DDP's
+reducer hands the silent group.
 """
 import gc
 import json
