@@ -20,9 +20,11 @@ it, resized when a storage is resized (FSDP's gathers), freed when the last tens
 
 The counts are CPU tensors', as on --device=cpu: the figures a CPU run allocates, to the byte (the
 tests hold the plan to the CPU allocator's own count). The GPU's reserve is CUDA's caching
-allocator replayed over them. Not modelled yet: CUDA's kernels and their scratch, autocast on
-CUDA, several streams, CUDA's context and cuBLAS's and NCCL's buffers. cpu_offload is planned as
-the run without it, less the state that offload keeps in host memory (device_side).
+allocator replayed over them and cuBLAS's workspaces; whether it fits adds the CUDA context and
+NCCL's buffers, named figures (CUBLAS_WORKSPACE_BYTES and the rest) that scripts/plan_check.py
+measures on a GPU. Not modelled yet: CUDA's kernels and their scratch, autocast on CUDA, several
+streams. cpu_offload is planned as the run without it, less the state that offload keeps in host
+memory (device_side).
 
 Communication is counted in the same run, per collective kind; its time is a projection over a
 bus bandwidth (busbw), NCCL's measured figures by default.
@@ -46,6 +48,14 @@ from model import GPT, GPTConfig
 PLAN_FLAGS = {"nproc": "1,2,4,8", "rank": 0, "json": "", "png": "", "gpu": "", "gpu_mem_gib": "", "busbw_gbps": ""}  # plan.py's own settings, beside train.py's
 ROLES = ("parameters", "gradients", "optimizer_state", "gathered_parameters", "communication", "activations", "other")
 STATE_ROLES = ("parameters", "gradients", "optimizer_state")  # ZeRO's model states: what CPU offload moves
+# What a CUDA process holds beside the step's tensors: not counted, but named (sources in
+# IMPLEMENTATION.md; scripts/plan_check.py measures each on a GPU). cuBLAS's workspace comes from the
+# caching allocator, one per thread that multiplies: the forward's and autograd's (Hopper's size)
+CUBLAS_WORKSPACES = 2
+CUBLAS_WORKSPACE_BYTES = 32 * 2**20
+# outside the allocator: the CUDA context (lazy module loading), NCCL's buffers per communicator
+CUDA_CONTEXT_BYTES = 500 * 2**20
+NCCL_COMMUNICATOR_BYTES = 700 * 2**20
 
 
 def train_settings(argv):
@@ -112,6 +122,7 @@ class Allocations(TorchDispatchMode):
         self.comm = {}  # collective kind -> bytes this rank sends or receives through it
         self.bus_bytes = 0  # what this rank's link carries for them (count_collective)
         self.comm_storages = set()  # storage ids a collective read or wrote
+        self.groups = set()  # names of the process groups of 2 or more ranks used: NCCL's communicators
         self._orig_resize = self._orig_rng_state = None
         self.trace = []  # (storage number, its bytes now: 0 once freed), for the caching allocator's model
         self.marks = []  # (index in the trace, where): each phase's start
@@ -237,12 +248,12 @@ class Allocations(TorchDispatchMode):
                 if "reduce_scatter" in name else "all_reduce" if "allreduce" in name else name)
         group = next((a for a in args if isinstance(a, torch.ScriptObject)
                       and a._type().qualified_name().endswith("ProcessGroup")), None)
-        if group is None:  # a functional collective names its group
-            group_size = dist.distributed_c10d._resolve_process_group(args[-1]).size()
-        else:
-            group_size = dist.ProcessGroup.unbox(group).size()
+        group = (dist.distributed_c10d._resolve_process_group(args[-1]) if group is None  # (a functional one names it)
+                 else dist.ProcessGroup.unbox(group))
+        if group.size() > 1:
+            self.groups.add(group.group_name)
         big = max(tensors, key=lambda t: t.numel() * t.element_size())
-        self.count_collective(kind, big.numel() * big.element_size(), group_size)
+        self.count_collective(kind, big.numel() * big.element_size(), group.size())
         self.comm_storages.update(t.untyped_storage()._cdata for t in tensors)
 
     def count_collective(self, kind, nbytes, group_size):
@@ -517,10 +528,14 @@ def plan(settings, backend_name, world, rank):
     if offload:
         peak, peak_at, trace = device_side(counter)
         made_of = None  # (the breakdown is the whole run's)
-    cuda = CachingAllocatorModel().replay(trace)
+    # cuBLAS's workspaces are made at the first forward and backward, and kept: the peak, in the
+    # second step, holds them, and a block never freed is reused by nobody, so they go first
+    cuda = CachingAllocatorModel().replay([(-1 - i, CUBLAS_WORKSPACE_BYTES) for i in range(CUBLAS_WORKSPACES)] + trace)
     return {"backend": backend_name, "nproc": world, "rank": rank, "micro_steps": local_steps,
             "peak_allocated_bytes": peak, "cuda_allocated_bytes": cuda.peak_allocated,
             "reserved_bytes": cuda.reserved, "peak_at": peak_at, "peak_made_of": made_of,
+            "communicators": len(counter.groups),
+            "outside_allocator_bytes": CUDA_CONTEXT_BYTES + NCCL_COMMUNICATOR_BYTES * len(counter.groups),
             "host_bytes": state if offload else 0,
             "steady_bytes": counter.steady, "state_bytes": state, "comm_bytes_per_step": counter.comm,
             "comm_bus_bytes_per_step": round(counter.bus_bytes),
@@ -659,9 +674,10 @@ def main(argv):
                 row["busbw_gbps"] = busbw(world, own["busbw_gbps"])
                 row["comm_seconds_per_step"] = row["comm_bus_bytes_per_step"] / (row["busbw_gbps"] * 1e9)
                 row["fits"] = row["max_batch_size"] = None  # (no GPU memory given: no question asked)
-                if limit is not None:
-                    row["fits"] = row["reserved_bytes"] <= limit
-                    row["max_batch_size"] = largest_batch(settings, backend_name, world, rank, row, limit)
+                if limit is not None:  # (the context and NCCL's buffers come out of the same memory)
+                    room = limit - row["outside_allocator_bytes"]
+                    row["fits"] = row["reserved_bytes"] <= room
+                    row["max_batch_size"] = largest_batch(settings, backend_name, world, rank, row, room)
                 rows.append(row)
             except BackendError as e:
                 configurator.fail(str(e))
@@ -726,8 +742,10 @@ def table(rows, settings, limit):
         lines.append(f"in {limit / 2**30:,.1f} GiB: " + "; ".join(
             f"{b} fits from W={w}" for b, w in smallest.items()) if smallest else "none of these fits")
     lines.append("peak: allocated, as the CPU allocator counts it (kernels' own scratch aside).")
-    lines.append("reserve: CUDA's caching allocator replayed over it, one stream; fits compares it.")
-    lines.append("Not counted: CUDA's context, cuBLAS's and NCCL's buffers.")
+    lines.append(f"reserve: CUDA's caching allocator replayed over it, one stream, with {CUBLAS_WORKSPACES} cuBLAS "
+                 f"workspaces of {CUBLAS_WORKSPACE_BYTES // 2**20} MiB.")
+    lines.append(f"fits: the reserve, {CUDA_CONTEXT_BYTES // 2**20} MiB of CUDA context and "
+                 f"{NCCL_COMMUNICATOR_BYTES // 2**20} MiB per NCCL communicator, in the GPU's memory.")
     if settings["cpu_offload"]:
         lines.append("cpu_offload: peak and reserve are the GPU's; the state column lives in (pinned) host memory.")
         lines.append("Not modelled there: a unit's shard copied to the GPU for its gather, and its reduced grads")

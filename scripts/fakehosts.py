@@ -43,7 +43,6 @@ _ports_given, _ports_lock = set(), threading.Lock()
 TRAIN_DEFAULTS = dict(n_layer=4, n_head=4, n_embd=128, block_size=64, bias=False, dist_backend="ddp",
                       replicate_degree=1, cpu_offload=False, out_dir="out", data_dir="", dataset="shakespeare_char")
 BYTES_PER_PARAM = 16  # fp32 parameter, gradient and AdamW's two moments
-CUDA_CONTEXT_BYTES = 2**30  # per process: the CUDA context, NCCL's buffers, cuBLAS's workspace
 GiB, MiB = 2**30, 2**20
 
 
@@ -225,25 +224,30 @@ def state_bytes_per_rank(settings, nproc, params):
     return BYTES_PER_PARAM * params / max(nproc // settings["replicate_degree"], 1)
 
 
-def planned_peak(train_args, nproc):
-    """A rank's peak allocated bytes in train.py's step at nproc ranks, as plan.py plans it (rank 0,
-    whose shards are the largest; under cpu_offload, the GPU's side)."""
+def planned(train_args, nproc):
+    """plan.py's row for train.py's run at nproc ranks: rank 0's, whose shards are the largest
+    (under cpu_offload, the GPU's side)."""
     import plan
     settings = plan.train_settings(train_args)
     settings["vocab_size"] = plan.vocab_size(settings)
-    return plan.in_child(plan.plan, settings, settings["dist_backend"], nproc, 0)["peak_allocated_bytes"]
+    return plan.in_child(plan.plan, settings, settings["dist_backend"], nproc, 0)
 
 
-def memory_refusal(settings, nproc, gpu_bytes, peak):
-    """Why `nproc` ranks cannot fit in a GPU of gpu_bytes (one line), or None: each rank's planned
-    peak and its CUDA context."""
-    per_rank = peak + CUDA_CONTEXT_BYTES
+def process_bytes(row):
+    """A rank's planned GPU memory: what PyTorch's allocator reserves, and the CUDA context and
+    NCCL's buffers beside it."""
+    return row["reserved_bytes"] + row["outside_allocator_bytes"]
+
+
+def memory_refusal(settings, nproc, gpu_bytes, row):
+    """Why `nproc` ranks cannot share a GPU of gpu_bytes (one line), or None."""
+    per_rank = process_bytes(row)
     if nproc * per_rank <= gpu_bytes:
         return None
     ddp = settings["dist_backend"] == "ddp"
     return (f"{nproc} ranks of {settings['dist_backend']} need at least {nproc} x {per_rank / GiB:.1f} GiB "
-            f"(a planned peak of {peak / GiB:.1f} GiB (plan.py), and {CUDA_CONTEXT_BYTES / GiB:.0f} GiB of CUDA "
-            f"context) = {nproc * per_rank / GiB:.1f} GiB, "
+            f"(plan.py: {row['reserved_bytes'] / GiB:.1f} GiB reserved, {row['outside_allocator_bytes'] / GiB:.1f} GiB "
+            f"of CUDA context and NCCL buffers) = {nproc * per_rank / GiB:.1f} GiB, "
             f"more than the GPU's {gpu_bytes / GiB:.1f} GiB: use fewer ranks{' or a sharded backend' if ddp else ''}")
 
 
@@ -309,10 +313,10 @@ def main(argv=None):
             gpu_bytes = torch.cuda.get_device_properties(0).total_memory
             from backends import BackendError
             try:
-                peak = planned_peak(a.args, a.nproc)
+                row = planned(a.args, a.nproc)
             except BackendError as e:  # (what train.py would refuse: ddp with cpu_offload, say)
                 error(str(e))
-            refusal = memory_refusal(settings, a.nproc, gpu_bytes, peak)
+            refusal = memory_refusal(settings, a.nproc, gpu_bytes, row)
             if refusal:
                 error(refusal)
         print(f"fakehosts: {a.nproc} ranks of {settings['dist_backend']} on one {settings['device'].split(':')[0]}"

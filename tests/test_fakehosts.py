@@ -108,27 +108,28 @@ def test_timeout_stops_every_process(launches):
 
 
 def test_rehearsal_refuses_ranks_the_gpu_cannot_hold(tmp_path):
-    """The rehearsal asks plan.py for a rank's peak: 4 ranks, each with that and 1 GiB of CUDA
-    context, are refused by a GPU one byte short of holding them all, and fit one that does. The
-    plan is of the run asked for: ddp's peak is above a sharded backend's, and that above its GPU
-    side under cpu_offload."""
+    """The rehearsal asks plan.py for a rank's GPU memory (its reserve, CUDA context and NCCL
+    buffers): 4 ranks are refused by a GPU one byte short of holding them all, and fit one that
+    does. The plan is of the run asked for: ddp's peak is above a sharded backend's, and that above
+    its GPU side under cpu_offload."""
     config = tmp_path / "small.py"
     config.write_text("n_layer = 2\nn_head = 4\nn_embd = 128\nblock_size = 128\nbatch_size = 4\n")
     args = [str(config), f"--data_dir={tmp_path}", "--device=cuda", "--max_iters=3"]
     settings = fakehosts.train_settings(args)
     assert settings["n_layer"] == 2 and settings["device"] == "cuda" and settings["dist_backend"] == "ddp"
     params = fakehosts.parameter_count(settings)
-    peak = fakehosts.planned_peak(args, 4)
-    assert peak > fakehosts.state_bytes_per_rank(settings, 4, params)  # activations on top of the state
-    need = 4 * (peak + fakehosts.CUDA_CONTEXT_BYTES)
-    msg = fakehosts.memory_refusal(settings, 4, need - 1, peak)
+    row = fakehosts.planned(args, 4)
+    assert row["peak_allocated_bytes"] > fakehosts.state_bytes_per_rank(settings, 4, params)  # activations too
+    assert fakehosts.process_bytes(row) > row["reserved_bytes"] >= row["peak_allocated_bytes"]
+    need = 4 * fakehosts.process_bytes(row)
+    msg = fakehosts.memory_refusal(settings, 4, need - 1, row)
     assert msg and "\n" not in msg and msg.startswith("4 ranks of ddp need at least"), msg
-    assert "planned peak" in msg and "sharded backend" in msg, msg
-    assert fakehosts.memory_refusal(settings, 4, need, peak) is None
-    sharded = fakehosts.planned_peak(args + ["--dist_backend=fsdp"], 4)
-    assert sharded < peak
+    assert "plan.py" in msg and "sharded backend" in msg, msg
+    assert fakehosts.memory_refusal(settings, 4, need, row) is None
+    sharded = fakehosts.planned(args + ["--dist_backend=fsdp"], 4)["peak_allocated_bytes"]
+    assert sharded < row["peak_allocated_bytes"]
     # under cpu_offload the plan is the GPU's side: the state lives in host memory
-    assert fakehosts.planned_peak(args + ["--dist_backend=fsdp", "--cpu_offload=True"], 4) < sharded
+    assert fakehosts.planned(args + ["--dist_backend=fsdp", "--cpu_offload=True"], 4)["peak_allocated_bytes"] < sharded
 
 
 def test_rehearsal_reads_train_py_defaults(launches):

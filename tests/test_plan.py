@@ -11,10 +11,14 @@ gloo the peak also holds gloo's own copies of what it reduces, freed on gloo's t
 their own: not the program's memory, and not a GPU allocator's, where NCCL keeps its buffers apart.
 """
 import json
+import sys
 
 import pytest
 
 from conftest import REPO, launch, one_error_line
+
+sys.path.insert(0, str(REPO))
+import plan  # noqa: E402
 
 WORKER = REPO / "tests" / "plan_worker.py"
 MODEL = ["--n_layer=3", "--n_embd=64", "--n_head=4", "--batch_size=4", "--block_size=32"]
@@ -149,6 +153,13 @@ def test_plan_prints_a_table_and_writes_json(tmp_path, data):
         bus = share * (comm.get("all_gather", 0) + comm.get("reduce_scatter", 0) + 2 * comm.get("all_reduce", 0))
         assert r["comm_bus_bytes_per_step"] == round(bus) and r["busbw_gbps"] == 360
         assert r["comm_seconds_per_step"] == r["comm_bus_bytes_per_step"] / 360e9 and (r["nproc"] == 1) == (bus == 0)
+        # what CUDA holds beside the tensors: cuBLAS's workspaces in the allocator; the context and
+        # each NCCL communicator's buffers outside it (one process group at W=2, none at W=1)
+        workspaces = plan.CUBLAS_WORKSPACES * plan.CUBLAS_WORKSPACE_BYTES
+        assert r["cuda_allocated_bytes"] >= r["peak_allocated_bytes"] + workspaces
+        assert r["communicators"] == (r["nproc"] > 1)
+        nccl = r["communicators"] * plan.NCCL_COMMUNICATOR_BYTES
+        assert r["outside_allocator_bytes"] == plan.CUDA_CONTEXT_BYTES + nccl
     assert "custom_fsdp" in res.stdout and "planning custom_fsdp at W=2" in res.stderr
     assert "compile=True is planned as eager" in res.stdout
     assert (tmp_path / "plan.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -175,24 +186,50 @@ def test_cpu_offload_plans_the_gpus_side(tmp_path, data):
 
 
 def test_the_largest_batch_that_fits_is_the_largest(tmp_path, data):
-    """--gpu_mem_gib answers: whether the modelled reserve fits, and the largest batch_size whose
-    reserve does (planned again at it and one above, it is within and beyond the memory)."""
-    limit_gib = 0.006
-    common = ["python", REPO / "plan.py", "--dist_backend=custom_fsdp", *MODEL, f"--data_dir={data}"]
+    """--gpu_mem_gib answers: whether the modelled reserve fits beside the CUDA context and NCCL's
+    buffers, and the largest batch_size whose reserve does (planned again at it and one above, it
+    is within and beyond the memory). HSDP 2x2: three communicators (the world's, the shards' and
+    the replicas')."""
+    limit = (plan.CUDA_CONTEXT_BYTES + 3 * plan.NCCL_COMMUNICATOR_BYTES
+             + plan.CUBLAS_WORKSPACES * plan.CUBLAS_WORKSPACE_BYTES + 6 * 2**20)
+    common = ["python", REPO / "plan.py", "--dist_backend=custom_fsdp", "--nproc=4", "--replicate_degree=2", *MODEL,
+              f"--data_dir={data}"]
     out = tmp_path / "plan.json"
-    res = launch(common + ["--nproc=2", f"--gpu_mem_gib={limit_gib}", f"--json={out}"], timeout=120)
+    res = launch(common + [f"--gpu_mem_gib={limit / 2**30!r}", f"--json={out}"], timeout=120)
     assert res.returncode == 0, res.describe()
     (row,) = json.loads(out.read_text())
-    assert row["fits"] == (row["reserved_bytes"] <= limit_gib * 2**30)
+    assert row["communicators"] == 3
+    room = limit - row["outside_allocator_bytes"]
+    assert row["fits"] == (row["reserved_bytes"] <= room)
     best = row["max_batch_size"]
     assert best > 0
     peaks = {}
     for batch in (best, best + 1):
         out = tmp_path / f"b{batch}.json"
-        res = launch(common + ["--nproc=2", f"--batch_size={batch}", f"--json={out}"], timeout=120)
+        res = launch(common + [f"--batch_size={batch}", f"--json={out}"], timeout=120)
         assert res.returncode == 0, res.describe()
         peaks[batch] = json.loads(out.read_text())[0]["reserved_bytes"]
-    assert peaks[best] <= limit_gib * 2**30 < peaks[best + 1], peaks
+    assert peaks[best] <= room < peaks[best + 1], peaks
+
+
+def test_plan_check_sets_train_py_beside_the_plan(char_data, tmp_path):
+    """scripts/plan_check.py, the GPU check's memory part, runs here as it would there: train.py's
+    two steps and the plan of every rank, one JSON row per backend and W. CPU reports no CUDA
+    counters, so its measured figures are absent (the GPU issue fills them)."""
+    out = tmp_path / "check.json"
+    res = launch(["python", REPO / "scripts" / "plan_check.py", f"--json={out}", "--backends=custom_fsdp",
+                  "--nproc=2", *MODEL, f"--data_dir={char_data}", "--device=cpu"], timeout=180)
+    assert res.returncode == 0, res.describe()
+    result = json.loads(out.read_text())
+    assert {"command", "device", "torch", "commit", "date", "constants", "plan_assumes"} <= set(result)
+    assert result["plan_assumes"]["CUDA_CONTEXT_BYTES"] == plan.CUDA_CONTEXT_BYTES
+    (row,) = result["plan_check"]
+    assert (row["backend"], row["nproc"]) == ("custom_fsdp", 2)
+    assert row["planned_reserved_bytes"] >= row["planned_allocated_bytes"] > row["planned_cpu_peak_bytes"] > 0
+    assert row["measured_max_allocated_bytes"] is None and row["allocated_within_target"] is None
+    import bench  # (results/ takes the file: its rendering for IMPLEMENTATION.md)
+    table = bench.render_file(out)
+    assert table[0] == "### " + out.parent.name + "/check.json" and "| `custom_fsdp` | 2 | - |" in "\n".join(table)
 
 
 @pytest.mark.parametrize("args,names", [(["--nproc=2,x"], "--nproc"), (["--nproc=0"], "--nproc"),
@@ -209,8 +246,6 @@ def test_caching_allocator_model_follows_cudas_rules():
     """The reserve model's rules, each on a sequence whose answer CUDA's allocator documents: 512-byte
     rounding, 2 MiB segments for requests up to 1 MiB, 20 MiB ones below 10 MiB, a segment of its
     own above, blocks split and reused, freed neighbours merged. (Against a GPU: the GPU issue.)"""
-    import sys
-    sys.path.insert(0, str(REPO))
     from plan import CachingAllocatorModel
     MiB = 2**20
 
