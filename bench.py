@@ -265,14 +265,14 @@ def device_name(cuda):
 
 def git_commit(folder=HERE):
     """The short commit of the checkout `folder` is in, '-dirty' after it with uncommitted changes
-    to tracked files; None without git or a repository."""
+    to tracked files; without git or a repository, $BENCH_COMMIT (a copy's, such as a lent GPU's), else None."""
     def git(*args):
         return subprocess.run(["git", *args], cwd=folder, capture_output=True, text=True, check=True).stdout.strip()
     try:
         return git("rev-parse", "--short", "HEAD") + ("-dirty" if git("status", "--porcelain", "--untracked-files=no")
                                                       else "")
     except (OSError, subprocess.CalledProcessError):
-        return None
+        return os.environ.get("BENCH_COMMIT")
 
 
 def provenance(argv=None):
@@ -360,6 +360,20 @@ def render_sweep(result):
     return markdown_table(["backend", "W", "params+grads+optim MB", "peak MB", "step ms"], rows, "lrrrr")
 
 
+def render_plan_check(result):
+    """scripts/plan_check.py's rows: CUDA's max allocated and reserved bytes beside plan.py's."""
+    def mib(n):
+        return "-" if n is None else f"{n / 2**20:,.1f}"
+
+    def off(r, what):
+        return "-" if r[f"{what}_rel_diff"] is None else f"{r[f'{what}_rel_diff']:+.2%}"
+    rows = [[f"`{r['backend']}`", str(r["nproc"]), mib(r["measured_max_allocated_bytes"]),
+             mib(r["planned_allocated_bytes"]), off(r, "allocated"), mib(r["measured_max_reserved_bytes"]),
+             mib(r["planned_reserved_bytes"]), off(r, "reserved")] for r in result["plan_check"]]
+    header = ["backend", "W", "max allocated MiB", "planned", "off by", "max reserved MiB", "planned", "off by"]
+    return markdown_table(header, rows, "lrrrrrrr")
+
+
 def read(path, parse):
     """`parse` of the open file `path`, or an exit with one line saying why it cannot be read."""
     try:
@@ -378,8 +392,10 @@ def render_file(path):
         table = render_backends(result)
     elif "sweep" in result:
         table = render_sweep(result)
+    elif "plan_check" in result:
+        table = render_plan_check(result)
     else:
-        raise SystemExit(f"error: {path} is not bench.py's JSON (neither backends nor sweep)")
+        raise SystemExit(f"error: {path} is neither bench.py's JSON (backends, sweep) nor plan_check.py's")
     about = "; ".join([result.get("device") or "-", *(f"{k} {result.get(k) or '-'}" for k in ("torch", "commit")),
                        result.get("date") or "-", f"`{result.get('command') or '-'}`"])
     name = os.path.relpath(path, os.path.dirname(os.path.dirname(os.path.abspath(path))))  # results/NAME.json

@@ -450,7 +450,7 @@ def test_render_writes_each_results_file_as_a_markdown_table(tmp_path):
         "| `custom_fsdp` | 1 | 40.0 (1.00x) | 699 | 100.0 |", "| `custom_fsdp` | 2 | 20.0 (0.50x) | 698 | 50.0 |",
         "| `custom_fsdp` | 4 | 10.0 (0.25x) | 696 | 25.0 |"]
     (tmp_path / "results" / "comm.json").write_text(json.dumps({"comm": []}))
-    with pytest.raises(SystemExit, match="comm.json is not bench.py's JSON"):
+    with pytest.raises(SystemExit, match="comm.json is neither bench.py's JSON"):
         bench.render_results(tmp_path / "results")
 
 

@@ -1,0 +1,170 @@
+"""
+plan.py against CUDA's own counters, on a GPU: what the GPU check (scripts/gpu_check.sh) runs for the
+memory plan. For each backend and world size, train.py takes two steps as fake hosts and reports
+torch.cuda's max allocated and max reserved bytes, max over ranks. plan.py plans the same run for
+every rank; the largest planned figures stand beside the measured ones.
+
+    python scripts/plan_check.py --json=results/h200-plan-124M.json [--backends=ddp,fsdp,custom_fsdp]
+                                 [--nproc=1,2] [--timeout=300] [train.py's config files and --key=value ...]
+
+It also measures the per-process memory plan.py names but cannot count: the CUDA context and
+cuBLAS's workspace (one fresh process), and NCCL's buffers (two fake hosts, over sockets). Each run
+is one line on stdout as it ends. On CPU it runs all of it; the measured figures are then absent.
+"""
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "scripts"))
+import bench  # noqa: E402
+import fakehosts  # noqa: E402
+import plan  # noqa: E402
+
+MiB = 2**20
+# each run: two steps as train.py takes them, nothing else that allocates (no evaluation, no checkpoint)
+STEPS = ["--max_iters=2", "--eval_iters=0", "--keep_checkpoints=0", "--compile=False", "--log_interval=1",
+         "--wandb_log=False"]
+ALLOCATED_WITHIN, RESERVED_WITHIN = 0.01, 0.05  # the issue's targets: allocated exact or within 1%, reserved 5%
+
+
+def probe():
+    """This fresh process's CUDA context and cuBLAS's workspaces, in bytes (None without CUDA)."""
+    import torch
+    keys = ("cuda_context_bytes", "cublas_workspace_bytes", "cublaslt_workspace_bytes",
+            "autograd_cublas_workspace_bytes")
+    if not torch.cuda.is_available():
+        return dict.fromkeys(keys)
+    a = torch.ones(256, 256, device="cuda", dtype=torch.bfloat16)
+    out, bias = torch.empty_like(a), torch.zeros(256, device="cuda", dtype=torch.bfloat16)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.mm(a, a, out=out)  # cuBLAS: its workspace comes from the caching allocator on first use
+    torch.cuda.synchronize()
+    cublas = torch.cuda.memory_allocated() - before
+    torch.addmm(bias, a, a, out=out)  # a linear layer with a bias: cuBLASLt's epilogue, its own workspace if any
+    torch.cuda.synchronize()
+    cublaslt = torch.cuda.memory_allocated() - before - cublas
+    w = torch.ones(256, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    before = torch.cuda.memory_allocated()
+    (w @ w).sum().backward()  # (on autograd's thread for the device: a cuBLAS handle of its own)
+    torch.cuda.synchronize()
+    autograd = torch.cuda.memory_allocated() - before - w.grad.untyped_storage().nbytes()
+    free, total = torch.cuda.mem_get_info()
+    # alone on the GPU, all it uses is ours; with cuBLAS's kernels loaded, as a training step has them
+    context = total - free - torch.cuda.memory_reserved()
+    return dict(zip(keys, (context, cublas, cublaslt, autograd)))
+
+
+def probe_nccl():
+    """As one of W fake hosts: NCCL's device memory per rank, from the GPU's used bytes around the
+    first all-reduce (its communicator starts there), every rank's tensor made before."""
+    import torch
+    import torch.distributed as dist
+    dist.init_process_group("nccl")
+    store, rank, world = dist.distributed_c10d._get_default_store(), dist.get_rank(), dist.get_world_size()
+    x = torch.ones(1024, device="cuda")
+    torch.cuda.synchronize()
+
+    def arrive(name):  # (a barrier through the store: NCCL's own would start the communicator)
+        store.add(name, 1)
+        while int(store.get(name)) < world:
+            pass
+    arrive("made")
+    used_before = torch.cuda.mem_get_info()[1] - torch.cuda.mem_get_info()[0]
+    arrive("measured")
+    dist.all_reduce(x)
+    torch.cuda.synchronize()
+    arrive("reduced")
+    if rank == 0:
+        free, total = torch.cuda.mem_get_info()
+        print(json.dumps({"nccl_bytes_per_rank": (total - free - used_before) // world}))
+    arrive("done")
+    dist.destroy_process_group()
+
+
+def measured(backend, world, args, timeout, log):
+    """train.py's two steps at `world` fake hosts: (max allocated, max reserved) bytes over the
+    ranks (None, None on CPU), or an exit naming the failure."""
+    with tempfile.TemporaryDirectory() as out_dir:
+        argv = args + STEPS + [f"--gradient_accumulation_steps={world}", f"--dist_backend={backend}",
+                               f"--out_dir={out_dir}"]
+        res = fakehosts.launch(world, str(REPO / "train.py"), argv, timeout=timeout, cwd=REPO)
+        log.write("".join(res.outputs))
+        if res.returncode != 0:
+            raise SystemExit(f"error: train.py {backend} at W={world} failed (exit {res.returncode}): "
+                             f"{res.outputs[-1].strip().splitlines()[-1:] if res.outputs else ''}")
+        rows = fakehosts.last_run_memory_rows(out_dir)
+    figures = [max((r[k] for r in rows if r.get(k) is not None), default=None)
+               for k in ("max_allocated_mb", "max_reserved_mb")]
+    return [None if mb is None else round(mb * MiB) for mb in figures]
+
+
+def planned(backend, world, args):
+    """The largest planned CUDA allocated and reserved bytes over the ranks, and their rows."""
+    settings = plan.train_settings(args + STEPS + [f"--gradient_accumulation_steps={world}"])
+    settings["vocab_size"] = plan.vocab_size(settings)
+    settings["compile"] = False
+    rows = [plan.in_child(plan.plan, settings, backend, world, rank) for rank in range(world)]
+    return max(rows, key=lambda r: r["cuda_allocated_bytes"]), max(rows, key=lambda r: r["reserved_bytes"])
+
+
+def compare(backend, world, args, timeout, log):
+    allocated, reserved = measured(backend, world, args, timeout, log)
+    by_allocated, by_reserved = planned(backend, world, args)
+    row = {"backend": backend, "nproc": world,
+           "measured_max_allocated_bytes": allocated, "planned_allocated_bytes": by_allocated["cuda_allocated_bytes"],
+           "measured_max_reserved_bytes": reserved, "planned_reserved_bytes": by_reserved["reserved_bytes"],
+           "planned_cpu_peak_bytes": by_allocated["peak_allocated_bytes"], "planned_peak_at": by_allocated["peak_at"]}
+    for what, within in (("allocated", ALLOCATED_WITHIN), ("reserved", RESERVED_WITHIN)):
+        got, want = row[f"measured_max_{what}_bytes"], row[f"planned_{what}_bytes"]
+        row[f"{what}_rel_diff"] = None if got is None else (want - got) / got
+        row[f"{what}_within_target"] = None if got is None else abs(want - got) <= within * got
+    return row
+
+
+def main(argv):
+    parser = argparse.ArgumentParser(description="plan.py against CUDA's counters")
+    parser.add_argument("--json", required=True)
+    parser.add_argument("--backends", default="ddp,fsdp,custom_fsdp")
+    parser.add_argument("--nproc", default="1,2")
+    parser.add_argument("--timeout", type=float, default=300, help="seconds per train.py run")
+    a, args = parser.parse_known_args(argv)
+    worlds = [int(w) for w in a.nproc.split(",")]
+    result = bench.provenance(["--json=" + a.json] + argv)
+    result["command"] = "python scripts/plan_check.py " + " ".join(argv)
+    import torch
+    result |= {"device": bench.device_name(torch.cuda.is_available()), "cuda": torch.version.cuda,
+               "plan_check": [], "args": args}
+    fresh = subprocess.run([sys.executable, __file__, "--probe"], capture_output=True, text=True, cwd=REPO)
+    result["constants"] = json.loads(fresh.stdout.strip().splitlines()[-1])
+    lines = []
+    if torch.cuda.is_available():
+        nccl = fakehosts.launch(2, __file__, ["--probe_nccl"], timeout=120, cwd=REPO)
+        lines = [line for line in nccl.outputs[0].splitlines() if line.startswith("{")] if nccl.returncode == 0 else []
+    result["constants"] |= json.loads(lines[-1]) if lines else {"nccl_bytes_per_rank": None}
+    result["plan_assumes"] = {k: getattr(plan, k) for k in ("CUBLAS_WORKSPACES", "CUBLAS_WORKSPACE_BYTES",
+                                                            "CUDA_CONTEXT_BYTES", "NCCL_COMMUNICATOR_BYTES")}
+    print(f"measured: {result['constants']}; plan.py assumes {result['plan_assumes']}", flush=True)
+    Path(a.json).parent.mkdir(parents=True, exist_ok=True)
+    with open(Path(a.json).with_suffix(".log"), "w") as log:
+        for backend in a.backends.split(","):
+            for world in worlds:
+                row = compare(backend, world, args, a.timeout, log)
+                result["plan_check"].append(row)
+                print(json.dumps(row), flush=True)
+                with open(a.json, "w") as f:  # (after every row: a run cut short keeps what it measured)
+                    json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] == ["--probe"]:
+        print(json.dumps(probe()))
+    elif sys.argv[1:] == ["--probe_nccl"]:
+        probe_nccl()
+    else:
+        main(sys.argv[1:])
