@@ -673,10 +673,11 @@ def main(argv):
                 row = in_child(plan, settings, backend_name, world, rank)
                 row["busbw_gbps"] = busbw(world, own["busbw_gbps"])
                 row["comm_seconds_per_step"] = row["comm_bus_bytes_per_step"] / (row["busbw_gbps"] * 1e9)
-                row["fits"] = row["max_batch_size"] = None  # (no GPU memory given: no question asked)
+                row["fits"] = row["headroom_bytes"] = row["max_batch_size"] = None  # (no GPU memory given)
                 if limit is not None:  # (the context and NCCL's buffers come out of the same memory)
                     room = limit - row["outside_allocator_bytes"]
-                    row["fits"] = row["reserved_bytes"] <= room
+                    row["headroom_bytes"] = room - row["reserved_bytes"]
+                    row["fits"] = row["headroom_bytes"] >= 0
                     row["max_batch_size"] = largest_batch(settings, backend_name, world, rank, row, room)
                 rows.append(row)
             except BackendError as e:
@@ -723,13 +724,13 @@ def table(rows, settings, limit):
     answers = limit is not None
     head = (f"{'backend':<12} {'W':>5} {'rank':>4} {'peak GiB':>9} {'reserve':>9} {'state GiB':>9} {'comm GiB':>9}"
             f" {'comm ms':>8}")
-    lines = [head + (f" {'fits':>4} {'max batch':>9}" if answers else "") + "  peak at"]
+    lines = [head + (f" {'headroom':>8} {'max batch':>9}" if answers else "") + "  peak at"]
     for r in rows:
         line = (f"{r['backend']:<12} {r['nproc']:>5} {r['rank']:>4} {gib(r['peak_allocated_bytes']):>9} "
                 f"{gib(r['reserved_bytes']):>9} {gib(r['state_bytes']):>9} {gib(sum(r['comm_bytes_per_step'].values())):>9}"
                 f" {r['comm_seconds_per_step'] * 1e3:>8,.1f}")
         if answers:
-            line += f" {'yes' if r['fits'] else 'no':>4} {r['max_batch_size']:>9}"
+            line += f" {gib(r['headroom_bytes']):>8} {r['max_batch_size']:>9}"
         lines.append(line + "  " + r["peak_at"])
     lines.append(f"\nbatch_size={settings['batch_size']}, block_size={settings['block_size']}, dtype={settings['dtype']}; "
                  "a rank's micro-steps: gradient_accumulation_steps / W")
@@ -744,8 +745,10 @@ def table(rows, settings, limit):
     lines.append("peak: allocated, as the CPU allocator counts it (kernels' own scratch aside).")
     lines.append(f"reserve: CUDA's caching allocator replayed over it, one stream, with {CUBLAS_WORKSPACES} cuBLAS "
                  f"workspaces of {CUBLAS_WORKSPACE_BYTES // 2**20} MiB.")
-    lines.append(f"fits: the reserve, {CUDA_CONTEXT_BYTES // 2**20} MiB of CUDA context and "
-                 f"{NCCL_COMMUNICATOR_BYTES // 2**20} MiB per NCCL communicator, in the GPU's memory.")
+    if answers:
+        lines.append(f"headroom GiB: the GPU's memory less the reserve, {CUDA_CONTEXT_BYTES // 2**20} MiB of CUDA "
+                     f"context and {NCCL_COMMUNICATOR_BYTES // 2**20} MiB per NCCL communicator.")
+        lines.append("Below 0 it does not fit.")
     if settings["cpu_offload"]:
         lines.append("cpu_offload: peak and reserve are the GPU's; the state column lives in (pinned) host memory.")
         lines.append("Not modelled there: a unit's shard copied to the GPU for its gather, and its reduced grads")

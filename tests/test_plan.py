@@ -141,7 +141,7 @@ def test_plan_prints_a_table_and_writes_json(tmp_path, data):
     for r in rows:
         assert {"backend", "nproc", "rank", "peak_allocated_bytes", "state_bytes", "reserved_bytes",
                 "comm_bytes_per_step", "fits", "max_batch_size"} <= set(r)
-        assert r["fits"] is None and r["max_batch_size"] is None  # (no GPU given)
+        assert r["fits"] is None and r["headroom_bytes"] is None and r["max_batch_size"] is None  # (no GPU given)
         assert r["reserved_bytes"] >= r["peak_allocated_bytes"] >= r["state_bytes"] > 0
         assert sum(r["peak_made_of"].values()) == r["peak_allocated_bytes"]
         # 4 micro-steps over W ranks: gradient sync is off in all but the last, so each rank keeps
@@ -200,7 +200,7 @@ def test_the_largest_batch_that_fits_is_the_largest(tmp_path, data):
     (row,) = json.loads(out.read_text())
     assert row["communicators"] == 3
     room = limit - row["outside_allocator_bytes"]
-    assert row["fits"] == (row["reserved_bytes"] <= room)
+    assert row["headroom_bytes"] == room - row["reserved_bytes"] and row["fits"] == (row["headroom_bytes"] >= 0)
     best = row["max_batch_size"]
     assert best > 0
     peaks = {}
