@@ -633,22 +633,32 @@ def gpu_bytes(own):
 
 
 def largest_batch(settings, backend_name, world, rank, row, limit):
-    """The largest batch_size whose modelled reserved memory fits in `limit` bytes. Allocated bytes
-    grow linearly with the batch, so two plans give the line and the largest batch under it; the
-    reserve grows in steps above it, so plans at that batch and its neighbours settle it."""
+    """The largest batch_size whose modelled reserved memory fits in `limit` bytes (0: none).
+    CUDA's allocated bytes grow linearly with the batch, so two plans give a line and a first guess
+    under it; the reserve grows in steps above the line, so plans around the guess settle it,
+    stepping by doubling strides, then halving."""
     batch = settings["batch_size"]
     other = batch + 1 if batch == 1 else batch // 2
-    peak_other = in_child(plan, dict(settings, batch_size=other), backend_name, world, rank)["peak_allocated_bytes"]
-    per_sample = (row["peak_allocated_bytes"] - peak_other) / (batch - other)
-    fixed = row["peak_allocated_bytes"] - per_sample * batch
-    def reserve(batch):
-        return in_child(plan, dict(settings, batch_size=batch), backend_name, world, rank)["reserved_bytes"]
-    guess = max(int((limit - fixed) // per_sample) if per_sample > 0 else batch, 1)
-    while guess > 0 and (reserved := reserve(guess)) > limit:
-        guess = min(guess - 1, int(guess * limit / reserved))
-    while guess > 0 and reserve(guess + 1) <= limit:  # (the reserve grows in steps: one more may fit)
-        guess += 1
-    return guess
+    def planned(batch):
+        return in_child(plan, dict(settings, batch_size=batch), backend_name, world, rank)
+    per_sample = (row["cuda_allocated_bytes"] - planned(other)["cuda_allocated_bytes"]) / (batch - other)
+    fixed = row["cuda_allocated_bytes"] - per_sample * batch
+    reserves = {0: 0, batch: row["reserved_bytes"]}
+
+    def fits(batch):
+        if batch not in reserves:
+            reserves[batch] = planned(batch)["reserved_bytes"]
+        return reserves[batch] <= limit
+    lo = max(int((limit - fixed) // per_sample) if per_sample > 0 else batch, 0)
+    hi, stride = lo + 1, 1
+    while not fits(lo):  # (lo fits, hi does not, once both loops are done)
+        lo, hi, stride = max(lo - stride, 0), lo, stride * 2
+    while fits(hi):
+        lo, hi, stride = hi, hi + stride, stride * 2
+    while hi - lo > 1:
+        middle = (lo + hi) // 2
+        lo, hi = (middle, hi) if fits(middle) else (lo, middle)
+    return lo
 
 
 def main(argv):

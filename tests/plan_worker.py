@@ -124,7 +124,7 @@ def case(backend, world, rank, argv):
         TALLY.update({kind: n for kind, n in observed.last_step().items() if n})
     return {"planned_peak": planned.peak, "planned_state": planned_state, "planned_where": planned.peak_where,
             "counted_real_peak": counted.peak, "measured_peak": peak, "measured_state": state,
-            "planned_comm": planned.comm, "measured_comm": dict(TALLY)}
+            "planned_comm": planned.comm, "measured_comm": dict(TALLY), "planned_communicators": len(planned.groups)}
 
 
 class PythonAPICollectives(observe.CommCounter):
