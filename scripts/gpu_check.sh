@@ -3,8 +3,11 @@
 # plan against CUDA's counters, in that order, each under its own timeout, all within 9 minutes.
 #   bash scripts/gpu_check.sh                  # suite, bench and plan
 #   bash scripts/gpu_check.sh plan bench       # only those parts, in the order given
+#   bash scripts/gpu_check.sh plan-big         # the plan's wider check: 124M at W=4, 1.3B at W=1, 2 and 4
 # Data travels with the call: prepare data/shakespeare_char and data/shakespeare here, then name
 # their folders in the device tool's carry. The device has no git: BENCH_COMMIT names the commit.
+#   device run: command "BENCH_COMMIT=$(git rev-parse --short HEAD) bash scripts/gpu_check.sh" (the
+#   hash written out), carry ["data/shakespeare", "data/shakespeare_char"], timeout_s 600
 # Writes under $OUT (a temporary folder without it): gpu_check.log, the suite's logs, and
 # results/*.json, the files the docs quote once copied into results/.
 # A part that would start with under a minute left is skipped and says so; run it in a second call.
@@ -17,6 +20,12 @@ BUDGET_S=${GPU_CHECK_BUDGET_S:-540}
 export PYTHONUNBUFFERED=1 WANDB_MODE=disabled
 parts=("$@")
 [ ${#parts[@]} -gt 0 ] || parts=(suite bench plan)
+for p in "${parts[@]}"; do
+    case $p in
+    suite | bench | plan | plan-big) ;;
+    *) echo "error: unknown part '$p' (suite, bench, plan, plan-big)"; exit 2 ;;
+    esac
+done
 
 left() { echo $((BUDGET_S - SECONDS)); }
 
@@ -66,8 +75,12 @@ for p in "${parts[@]}"; do
     plan)
         part plan-124M 240 python scripts/plan_check.py --json="$OUT/results/$gpu-plan-124M.json" --nproc=1,2 \
             --dataset=shakespeare --device=$device --dtype=bfloat16 $GPT2 --batch_size=12 ${PLAN_EXTRA:-} ;;
-    *)
-        echo "error: unknown part '$p' (suite, bench, plan)"; exit 2 ;;
+    plan-big)
+        part plan-124M-w4 150 python scripts/plan_check.py --json="$OUT/results/$gpu-plan-124M-w4.json" --nproc=4 \
+            --dataset=shakespeare --device=$device --dtype=bfloat16 $GPT2 --batch_size=12 ${PLAN_EXTRA:-}
+        part plan-1p3B 390 python scripts/plan_check.py --json="$OUT/results/$gpu-plan-1p3B.json" --nproc=1,2,4 \
+            --dataset=shakespeare --device=$device --dtype=bfloat16 config/model_1b.py --block_size=1024 \
+            --batch_size=4 ${PLAN_EXTRA:-} ;;
     esac
 done
 echo "== done in $SECONDS s; files under $OUT"
