@@ -38,10 +38,6 @@ MARKER = "FAKEHOSTS_LAUNCH"  # environment variable naming the launch each proce
 PORTS = range(22000, 30000)  # below the kernel's ephemeral range, which outgoing connections draw from
 _ports_given, _ports_lock = set(), threading.Lock()
 
-# train.py's defaults of the settings the rehearsal reads (tests/test_fakehosts.py checks them against
-# train.py --help); the device's default, like train.py's, is cuda where there is one
-TRAIN_DEFAULTS = dict(n_layer=4, n_head=4, n_embd=128, block_size=64, bias=False, dist_backend="ddp",
-                      replicate_degree=1, cpu_offload=False, out_dir="out", data_dir="", dataset="shakespeare_char")
 BYTES_PER_PARAM = 16  # fp32 parameter, gradient and AdamW's two moments
 GiB, MiB = 2**30, 2**20
 
@@ -190,15 +186,10 @@ def launch(nproc, script, args=(), timeout=600, env=None, cwd=None, stream=None)
 # ---- the rehearsal of train.py ------------------------------------------------------------------
 
 def train_settings(argv):
-    """The settings the rehearsal reads, from train.py's config files and --key=value args applied as
-    train.py applies them (configurator: files in order, then overrides). Other keys are train.py's."""
-    import configurator
-    import torch
-    settings = TRAIN_DEFAULTS | {"device": "cuda" if torch.cuda.is_available() else "cpu"}
-    for path in [a for a in argv if not a.startswith("--")]:
-        settings.update({k: v for k, v in configurator.run_file(path).items() if k in settings})
-    overrides = [a for a in argv if a.startswith("--") and a[2:].partition("=")[0] in settings]
-    return configurator.apply(settings, overrides)
+    """train.py's settings after its config files and --key=value args, as train.py reads them
+    (plan.py runs train.py's own settings block)."""
+    import plan
+    return plan.train_settings(argv)
 
 
 def parameter_count(settings):
