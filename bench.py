@@ -367,9 +367,10 @@ def render_plan_check(result):
 
     def off(r, what):
         return "-" if r[f"{what}_rel_diff"] is None else f"{r[f'{what}_rel_diff']:+.2%}"
-    rows = [[f"`{r['backend']}`", str(r["nproc"]), mib(r["measured_max_allocated_bytes"]),
+    rows = [[f"`{r['backend']}`", str(r["nproc"]), *([mib(r["measured_max_allocated_bytes"]),
              mib(r["planned_allocated_bytes"]), off(r, "allocated"), mib(r["measured_max_reserved_bytes"]),
-             mib(r["planned_reserved_bytes"]), off(r, "reserved")] for r in result["plan_check"]]
+             mib(r["planned_reserved_bytes"]), off(r, "reserved")] if "error" not in r else ["failed"] + ["-"] * 5)]
+            for r in result["plan_check"]]
     header = ["backend", "W", "max allocated MiB", "planned", "off by", "max reserved MiB", "planned", "off by"]
     return markdown_table(header, rows, "lrrrrrrr")
 

@@ -95,9 +95,10 @@ def measured(backend, world, args, timeout, log):
                                f"--out_dir={out_dir}"]
         res = fakehosts.launch(world, str(REPO / "train.py"), argv, timeout=timeout, cwd=REPO)
         log.write("".join(res.outputs))
-        if res.returncode != 0:
-            raise SystemExit(f"error: train.py {backend} at W={world} failed (exit {res.returncode}): "
-                             f"{res.outputs[-1].strip().splitlines()[-1:] if res.outputs else ''}")
+        if res.returncode != 0:  # (the failing rank's own words, where it said any: the others were stopped)
+            lines = [line for out in res.outputs for line in out.splitlines()]
+            said = next((line for line in lines if line.startswith("error:")), lines[-1] if lines else "")
+            raise SystemExit(f"train.py {backend} at W={world} failed (exit {res.returncode}): {said}")
         rows = fakehosts.last_run_memory_rows(out_dir)
     figures = [max((r[k] for r in rows if r.get(k) is not None), default=None)
                for k in ("max_allocated_mb", "max_reserved_mb")]
@@ -154,7 +155,10 @@ def main(argv):
     with open(Path(a.json).with_suffix(".log"), "w") as log:
         for backend in a.backends.split(","):
             for world in worlds:
-                row = compare(backend, world, args, a.timeout, log)
+                try:  # (a row that fails says why, and the others still run: device time is scarce)
+                    row = compare(backend, world, args, a.timeout, log)
+                except (Exception, SystemExit) as e:
+                    row = {"backend": backend, "nproc": world, "error": f"{type(e).__name__}: {e}"[-500:]}
                 result["plan_check"].append(row)
                 print(json.dumps(row), flush=True)
                 with open(a.json, "w") as f:  # (after every row: a run cut short keeps what it measured)
