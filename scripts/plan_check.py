@@ -27,8 +27,7 @@ import plan  # noqa: E402
 
 MiB = 2**20
 # each run: two steps as train.py takes them, nothing else that allocates (no evaluation, no checkpoint)
-STEPS = ["--max_iters=2", "--eval_iters=0", "--keep_checkpoints=0", "--compile=False", "--log_interval=1",
-         "--wandb_log=False"]
+STEPS = bench.TIMED_ONLY + ["--max_iters=2", "--compile=False", "--wandb_log=False"]
 ALLOCATED_WITHIN, RESERVED_WITHIN = 0.01, 0.05  # the targets: allocated exact or within 1%, reserved 5%
 
 
