@@ -70,17 +70,25 @@ def start(cmd, cwd=REPO, env=None, fork=True):
     return _server.start(cmd[1:], None, env, cwd)
 
 
+def signal_group(pid, sig):
+    """Signal the process group of a run, which may have exited already (its last process gone)."""
+    try:
+        os.killpg(pid, sig)
+    except ProcessLookupError:
+        pass
+
+
 def launch(cmd, timeout, cwd=REPO, env=None, fork=True):
     """Run `cmd` (see start); on timeout kill the whole process group (no orphans)."""
     proc = start(cmd, cwd, env, fork)
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGTERM)
+        signal_group(proc.pid, signal.SIGTERM)
         try:
             out, err = proc.communicate(timeout=30)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+            signal_group(proc.pid, signal.SIGKILL)
             out, err = proc.communicate()
         pytest.fail(f"timed out after {timeout}s: {' '.join(map(str, cmd))}\n"
                     f"--- stdout ---\n{out[-4000:]}\n--- stderr ---\n{err[-6000:]}")

@@ -207,6 +207,17 @@ def serve(path):
     listener.bind(path)
     listener.listen(64)
     print("ready", flush=True)
+    def end(pid):
+        """Kill a run whose client is gone, and reap it. Its group, or the run alone if it has not
+        made its session yet (then it has started nothing)."""
+        for kill in (os.killpg, os.kill):
+            try:
+                kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        os.waitpid(pid, 0)
+        runs.pop(pid).close()
+
     while True:
         ready = select.select([listener, *runs.values()], [], [], 0.02)[0]
         while runs:  # report the runs that ended
@@ -214,19 +225,13 @@ def serve(path):
             if not pid:
                 break
             conn = runs.pop(pid)
-            conn.sendall(f"{os.waitstatus_to_exitcode(status)}\n".encode())
+            tell(conn, os.waitstatus_to_exitcode(status))
             conn.close()
         if os.getppid() != parent:
             shut_down()
         for pid, conn in list(runs.items()):
             if conn in ready and not conn.recv(1):  # the client is gone: so goes its run
-                try:
-                    os.killpg(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                os.waitpid(pid, 0)
-                del runs[pid]
-                conn.close()
+                end(pid)
         if listener not in ready:
             continue
         conn, _ = listener.accept()
@@ -248,8 +253,18 @@ def serve(path):
             return request
         for fd in fds:
             os.close(fd)
-        conn.sendall(f"{pid}\n".encode())
         runs[pid] = conn
+        if not tell(conn, pid):  # the client was killed before it learned its run's pid
+            end(pid)
+
+
+def tell(conn, value):
+    """One line to a run's client; False if the client has closed its end (it was killed)."""
+    try:
+        conn.sendall(f"{value}\n".encode())
+        return True
+    except (BrokenPipeError, ConnectionResetError):
+        return False
 
 
 def send_request(sock, request, fds):
@@ -268,13 +283,22 @@ def client(argv):
     if "SPAWN_SOCKET" not in os.environ:  # (not started by a run: be the Python it stands for)
         os.execv(sys.executable, [sys.executable, *argv])
     argv = [a for a in argv if a != "-u"]  # (the runs are unbuffered)
+    pid, early = None, []  # the run's pid once the server has sent it; the signals that came before
+
+    def pass_on(sig, _):
+        if pid is None:
+            early.append(sig)
+        else:
+            os.kill(pid, sig)
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2, signal.SIGCONT):
+        signal.signal(sig, pass_on)
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.connect(os.environ["SPAWN_SOCKET"])
     send_request(sock, dict(argv=argv, nproc=None, env=dict(os.environ), cwd=os.getcwd(), fds=[0, 1, 2]), [0, 1, 2])
     reader = sock.makefile("rb")
     pid = int(reader.readline())
-    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2, signal.SIGCONT):
-        signal.signal(sig, lambda sig, _: os.kill(pid, sig))
+    for sig in early:
+        os.kill(pid, sig)
     line = reader.readline()
     code = int(line) if line else -signal.SIGKILL
     if code < 0:  # killed by a signal: so is this process
@@ -387,7 +411,10 @@ class Run:
 
     def send_signal(self, sig):
         if self.returncode is None:
-            os.kill(self.pid, sig)
+            try:
+                os.kill(self.pid, sig)
+            except ProcessLookupError:  # (ended, its status not yet read: as Popen does)
+                pass
 
     def kill(self):
         self.send_signal(signal.SIGKILL)

@@ -318,6 +318,30 @@ def test_a_client_passes_signals_on_and_its_run_does_not_outlive_it(tmp_path, ho
     assert res.stdout.split() == ["True", str(-getattr(__import__("signal"), how)), "False"], res.describe()
 
 
+def test_a_client_gone_before_its_runs_pid_takes_the_run_along_and_the_server_serves_on(tmp_path):
+    """A client killed before the server has told it its run's pid (torchrun stopping a worker at
+    once): the server, finding the connection closed, ends the run and serves the next request."""
+    import os
+    import time
+
+    import conftest
+    import spawn
+    assert python("-c", "pass").returncode == 0  # (this worker's fork server is up)
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.connect(conftest._server.path)
+        request = dict(argv=["-c", "import time; time.sleep(60)"], nproc=None, env=conftest.subprocess_env(),
+                       cwd=str(tmp_path), fds=[0, 1, 2])
+        with open(os.devnull, "rb") as null:
+            spawn.send_request(sock, request, [null.fileno()] * 3)
+    server = conftest._server.proc.pid  # (its only runs are this test's: a worker runs one test at a time)
+    children = f"/proc/{server}/task/{server}/children"
+    deadline = time.time() + 30  # (gone at once: the run is SIGKILLed, perhaps before it has started)
+    while open(children).read().split() and time.time() < deadline:
+        time.sleep(0.01)
+    assert not open(children).read().split(), "the run outlived its client"
+    assert python("-c", "print('still serving')").stdout == "still serving\n"
+
+
 def test_a_free_port_comes_from_this_workers_block_below_the_ephemeral_range(monkeypatch):
     """Two xdist workers never draw the same port, and no socket bound to port 0 (which the kernel
     serves from its ephemeral range) takes one between the draw and rank 0's bind."""
