@@ -56,7 +56,7 @@ def report(tmp_path_factory, data):
     tmp = tmp_path_factory.mktemp("plan")
     cases = [[b, w, r, MODEL + [f"--data_dir={data}"] + knob] for b, w, r, knob in CASES]
     (tmp / "cases.json").write_text(json.dumps(cases))
-    res = launch(["python", WORKER, tmp / "cases.json", tmp / "out.json"], timeout=300)
+    res = launch([sys.executable, WORKER, tmp / "cases.json", tmp / "out.json"], timeout=300)
     assert res.returncode == 0, res.describe()
     out = json.loads((tmp / "out.json").read_text())
     return {k.replace(str(data), "DATA"): v for k, v in out.items()}
@@ -135,7 +135,7 @@ def test_sharding_divides_the_state(report):
 
 def test_plan_prints_a_table_and_writes_json(tmp_path, data):
     out = tmp_path / "plan.json"
-    res = launch(["python", REPO / "plan.py", "--dist_backend=custom_fsdp", "--nproc=1,2", *MODEL,
+    res = launch([sys.executable, REPO / "plan.py", "--dist_backend=custom_fsdp", "--nproc=1,2", *MODEL,
                   f"--data_dir={data}", f"--json={out}", "--compile=True", f"--png={tmp_path / 'plan.png'}"],
                  timeout=120)
     assert res.returncode == 0, res.describe()
@@ -176,7 +176,7 @@ def test_cpu_offload_plans_the_gpus_side(tmp_path, data):
     rows = {}
     for offload in (False, True):
         out = tmp_path / f"plan-{offload}.json"
-        res = launch(["python", REPO / "plan.py", "--dist_backend=custom_fsdp", "--nproc=2", *MODEL,
+        res = launch([sys.executable, REPO / "plan.py", "--dist_backend=custom_fsdp", "--nproc=2", *MODEL,
                       f"--data_dir={data}", f"--json={out}", f"--cpu_offload={offload}"], timeout=120)
         assert res.returncode == 0, res.describe()
         (rows[offload],) = json.loads(out.read_text())
@@ -194,7 +194,7 @@ def test_the_largest_batch_that_fits_is_the_largest(tmp_path, data):
     is within and beyond the memory)."""
     limit = (plan.CUDA_CONTEXT_BYTES + plan.NCCL_COMMUNICATOR_BYTES
              + plan.CUBLAS_WORKSPACES * plan.CUBLAS_WORKSPACE_BYTES + 6 * 2**20)
-    common = ["python", REPO / "plan.py", "--dist_backend=custom_fsdp", "--nproc=2", *MODEL, f"--data_dir={data}"]
+    common = [sys.executable, REPO / "plan.py", "--dist_backend=custom_fsdp", "--nproc=2", *MODEL, f"--data_dir={data}"]
     out = tmp_path / "plan.json"
     res = launch(common + [f"--gpu_mem_gib={limit / 2**30!r}", f"--json={out}"], timeout=120)
     assert res.returncode == 0, res.describe()
@@ -218,7 +218,7 @@ def test_plan_check_sets_train_py_beside_the_plan(char_data, tmp_path):
     two steps and the plan of every rank, one JSON row per backend and W. CPU reports no CUDA
     counters, so its measured figures are absent (the GPU issue fills them)."""
     out = tmp_path / "check.json"
-    res = launch(["python", REPO / "scripts" / "plan_check.py", f"--json={out}", "--backends=custom_fsdp",
+    res = launch([sys.executable, REPO / "scripts" / "plan_check.py", f"--json={out}", "--backends=custom_fsdp",
                   "--nproc=2", *MODEL, f"--data_dir={char_data}", "--device=cpu"], timeout=180)
     assert res.returncode == 0, res.describe()
     result = json.loads(out.read_text())
@@ -239,7 +239,7 @@ def test_plan_check_sets_train_py_beside_the_plan(char_data, tmp_path):
                                         (["--rank=-1"], "--rank"), (["--busbw_gbps=fast"], "--busbw_gbps"),
                                         (["--dist_backend=ddp", "--cpu_offload=True"], "cpu_offload")])
 def test_bad_input_is_one_line(args, names):
-    res = launch(["python", REPO / "plan.py", *args], timeout=60)
+    res = launch([sys.executable, REPO / "plan.py", *args], timeout=60)
     assert names in one_error_line(res)
 
 
