@@ -535,12 +535,16 @@ def test_sharded_params_stay_where_their_flat_shard_is():
 
 
 def test_collectives_fall_back_to_their_older_names(monkeypatch):
-    """torch before 2.13 (the GPU machines' 2.11) has all_gather_into_tensor / reduce_scatter_tensor only."""
+    """torch 2.13's names where they exist; before 2.13 (the GPU machines' 2.11) there are only
+    all_gather_into_tensor and reduce_scatter_tensor. Each release is played on the one installed."""
     import torch.distributed as dist
     from fsdp_impl import comm
-    assert comm.library_collective("all_gather_single") is dist.all_gather_single
-    monkeypatch.delattr(dist, "all_gather_single")
-    monkeypatch.delattr(dist, "reduce_scatter_single")
+    newer = {name: object() for name in ("all_gather_single", "reduce_scatter_single")}
+    for name, collective in newer.items():
+        monkeypatch.setattr(dist, name, collective, raising=False)
+        assert comm.library_collective(name) is collective
+    for name in newer:
+        monkeypatch.delattr(dist, name)
     assert comm.library_collective("all_gather_single") is dist.all_gather_into_tensor
     assert comm.library_collective("reduce_scatter_single") is dist.reduce_scatter_tensor
 

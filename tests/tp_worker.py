@@ -103,13 +103,15 @@ GATHERS = []  # (group size, output numel) of each all-gather since it was last 
 
 
 def note_all_gathers():
-    """Wrap torch.distributed's all-gather, which both implementations look up at each call."""
-    gather = dist.all_gather_single
+    """Wrap torch.distributed's all-gather, which both implementations look up at each call: by its
+    torch 2.13 name, or by its older one before 2.13 (which FSDP2 there calls)."""
+    name = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
+    gather = getattr(dist, name)
 
     def noted(output, input, group=None, async_op=False):
         GATHERS.append((group.size(), output.numel()))
         return gather(output, input, group=group, async_op=async_op)
-    dist.all_gather_single = noted
+    setattr(dist, name, noted)
 
 
 def train(model, dp_rank, micro_steps=1):
