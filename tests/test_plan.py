@@ -32,9 +32,18 @@ CASES = [(backend, world, 0, []) for backend in ("custom_fsdp", "fsdp", "ddp") f
     ("custom_fsdp", 48, 0, ["--wrap_policy=block"]), ("custom_fsdp", 48, 47, ["--wrap_policy=block"]),
     ("fsdp", 48, 47, ["--wrap_policy=block"]),
     ("custom_fsdp", 2, 0, ["--dtype=bfloat16"])]
-# CPU attention's backward in bfloat16 allocates float32 scratch of its own inside the kernel,
-# where no dispatch mode sees it: the plan misses it, a little under 1% here
-WITHIN = {("custom_fsdp", 2, 0, "--dtype=bfloat16"): 0.01}
+# A bfloat16 matmul on CPU runs in oneDNN, which allocates scratch through PyTorch's allocator inside
+# aten::mm, where no dispatch mode sees it, sized by the CPU's instructions: here 1.0% of the peak
+# with AMX, 1.4% with AVX-512 BF16, 4.4% with AVX-512 alone. Capped at AVX2, it allocates none, so
+# the real runs are the same on every machine the tests meet.
+SAME_KERNELS_EVERYWHERE = {"ONEDNN_MAX_CPU_ISA": "AVX2"}
+
+
+def new_interpreter(cmd, timeout, **kwargs):
+    """launch(), as a new interpreter: plan.py plans each rank in a forked child, which under the
+    tests' fork server would be a fork of a fork of a process that imported torch, where torch
+    2.11's CUDA build aborts as autograd starts its threads ("Invalid thread pool")."""
+    return launch(cmd, timeout, fork=False, **kwargs)
 
 
 def key(backend, world, rank, knob):
@@ -56,7 +65,8 @@ def report(tmp_path_factory, data):
     tmp = tmp_path_factory.mktemp("plan")
     cases = [[b, w, r, MODEL + [f"--data_dir={data}"] + knob] for b, w, r, knob in CASES]
     (tmp / "cases.json").write_text(json.dumps(cases))
-    res = launch([sys.executable, WORKER, tmp / "cases.json", tmp / "out.json"], timeout=300)
+    res = new_interpreter([sys.executable, WORKER, tmp / "cases.json", tmp / "out.json"], timeout=300,
+                          env=SAME_KERNELS_EVERYWHERE)
     assert res.returncode == 0, res.describe()
     out = json.loads((tmp / "out.json").read_text())
     return {k.replace(str(data), "DATA"): v for k, v in out.items()}
@@ -66,10 +76,7 @@ def report(tmp_path_factory, data):
 def test_planned_peak_is_the_allocators(report, case):
     r = report[key(*case)]
     assert "error" not in r, r["error"]
-    tolerance = WITHIN.get((*case[:3], *case[3]), 0)
-    assert abs(r["planned_peak"] - r["measured_peak"]) <= tolerance * r["measured_peak"], r
-    if tolerance:  # the cause named above: what the plan misses, the kernel's scratch, is below
-        assert r["planned_peak"] <= r["measured_peak"], r
+    assert r["planned_peak"] == r["measured_peak"], r
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: " ".join(map(str, c[:3])) + " " + " ".join(c[3]))
@@ -135,7 +142,7 @@ def test_sharding_divides_the_state(report):
 
 def test_plan_prints_a_table_and_writes_json(tmp_path, data):
     out = tmp_path / "plan.json"
-    res = launch([sys.executable, REPO / "plan.py", "--dist_backend=custom_fsdp", "--nproc=1,2", *MODEL,
+    res = new_interpreter([sys.executable, REPO / "plan.py", "--dist_backend=custom_fsdp", "--nproc=1,2", *MODEL,
                   f"--data_dir={data}", f"--json={out}", "--compile=True", f"--png={tmp_path / 'plan.png'}"],
                  timeout=120)
     assert res.returncode == 0, res.describe()
@@ -176,7 +183,7 @@ def test_cpu_offload_plans_the_gpus_side(tmp_path, data):
     rows = {}
     for offload in (False, True):
         out = tmp_path / f"plan-{offload}.json"
-        res = launch([sys.executable, REPO / "plan.py", "--dist_backend=custom_fsdp", "--nproc=2", *MODEL,
+        res = new_interpreter([sys.executable, REPO / "plan.py", "--dist_backend=custom_fsdp", "--nproc=2", *MODEL,
                       f"--data_dir={data}", f"--json={out}", f"--cpu_offload={offload}"], timeout=120)
         assert res.returncode == 0, res.describe()
         (rows[offload],) = json.loads(out.read_text())
@@ -196,7 +203,7 @@ def test_the_largest_batch_that_fits_is_the_largest(tmp_path, data):
              + plan.CUBLAS_WORKSPACES * plan.CUBLAS_WORKSPACE_BYTES + 6 * 2**20)
     common = [sys.executable, REPO / "plan.py", "--dist_backend=custom_fsdp", "--nproc=2", *MODEL, f"--data_dir={data}"]
     out = tmp_path / "plan.json"
-    res = launch(common + [f"--gpu_mem_gib={limit / 2**30!r}", f"--json={out}"], timeout=120)
+    res = new_interpreter(common + [f"--gpu_mem_gib={limit / 2**30!r}", f"--json={out}"], timeout=120)
     assert res.returncode == 0, res.describe()
     (row,) = json.loads(out.read_text())
     assert row["communicators"] == 1
@@ -207,7 +214,7 @@ def test_the_largest_batch_that_fits_is_the_largest(tmp_path, data):
     peaks = {}
     for batch in (best, best + 1):
         out = tmp_path / f"b{batch}.json"
-        res = launch(common + [f"--batch_size={batch}", f"--json={out}"], timeout=120)
+        res = new_interpreter(common + [f"--batch_size={batch}", f"--json={out}"], timeout=120)
         assert res.returncode == 0, res.describe()
         peaks[batch] = json.loads(out.read_text())[0]["reserved_bytes"]
     assert peaks[best] <= room < peaks[best + 1], peaks
@@ -218,7 +225,7 @@ def test_plan_check_sets_train_py_beside_the_plan(char_data, tmp_path):
     two steps and the plan of every rank, one JSON row per backend and W. CPU reports no CUDA
     counters, so its measured figures are absent (the GPU issue fills them)."""
     out = tmp_path / "check.json"
-    res = launch([sys.executable, REPO / "scripts" / "plan_check.py", f"--json={out}", "--backends=custom_fsdp",
+    res = new_interpreter([sys.executable, REPO / "scripts" / "plan_check.py", f"--json={out}", "--backends=custom_fsdp",
                   "--nproc=2", *MODEL, f"--data_dir={char_data}", "--device=cpu"], timeout=180)
     assert res.returncode == 0, res.describe()
     result = json.loads(out.read_text())
@@ -239,7 +246,7 @@ def test_plan_check_sets_train_py_beside_the_plan(char_data, tmp_path):
                                         (["--rank=-1"], "--rank"), (["--busbw_gbps=fast"], "--busbw_gbps"),
                                         (["--dist_backend=ddp", "--cpu_offload=True"], "cpu_offload")])
 def test_bad_input_is_one_line(args, names):
-    res = launch([sys.executable, REPO / "plan.py", *args], timeout=60)
+    res = new_interpreter([sys.executable, REPO / "plan.py", *args], timeout=60)
     assert names in one_error_line(res)
 
 
