@@ -13,10 +13,12 @@ raises records the traceback, so one broken flow does not hide the others. tests
 asserts on the report.
 """
 import copy
+import faulthandler
 import gc
 import json
 import math
 import os
+import signal
 import sys
 import traceback
 import warnings
@@ -1165,6 +1167,7 @@ def compare(flow, mesh):
         try:
             res[impl] = flow(impl, mesh)
         except Exception:
+            print(f"rank {dist.get_rank()}: {impl} raised in {flow.__name__}", file=sys.stderr, flush=True)
             rec[f"{impl}_error"] = traceback.format_exc()
     if len(res) == 2:
         (g1, p1, m1), (g2, p2, m2) = res["ours"], res[rec["reference"]]
@@ -1179,6 +1182,7 @@ def checked(check, impl, mesh):
     try:
         return check(impl, mesh)
     except Exception:
+        print(f"rank {dist.get_rank()}: {impl} raised in {check.__name__}", file=sys.stderr, flush=True)
         return {"error": traceback.format_exc()}
 
 
@@ -1192,6 +1196,7 @@ def write(result, out_path):
 
 def main():
     out_path = sys.argv[1]
+    faulthandler.register(signal.SIGTERM, chain=True)  # a rank stopped at the test's timeout says where it was
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
