@@ -45,7 +45,8 @@ import configurator
 from backends import BACKENDS, BackendError, DDPBackend, make_backend
 from model import GPT, GPTConfig
 
-PLAN_FLAGS = {"nproc": "1,2,4,8", "rank": 0, "json": "", "png": "", "gpu": "", "gpu_mem_gib": "", "busbw_gbps": ""}  # plan.py's own settings, beside train.py's
+PLAN_FLAGS = {"nproc": "1,2,4,8", "rank": 0, "json": "", "png": "", "gpu": "", "gpu_mem_gib": "", "busbw_gbps": "",
+              "timeline": "", "timeline_json": ""}  # plan.py's own settings, beside train.py's
 ROLES = ("parameters", "gradients", "optimizer_state", "gathered_parameters", "communication", "activations", "other")
 STATE_ROLES = ("parameters", "gradients", "optimizer_state")  # ZeRO's model states: what CPU offload moves
 # What a CUDA process holds beside the step's tensors: not counted, but named (sources in
@@ -129,6 +130,10 @@ class Allocations(TorchDispatchMode):
         self.peak_index = 0  # the trace's length at the peak
         self.live_ids = []  # (one slot per storage ever seen: its number)
         self.host_numbers = set()  # storages of the state (STATE_ROLES), which CPU offload keeps in host memory
+        self.collectives = []  # (index in the trace, kind, where): each collective as the step issues it
+        self.units = []  # (index in the trace, where): a block's forward or backward begins
+        self.role_of = {}  # storage number -> the first role in ROLES that roles() gave it while it lived
+        self.sampling = False  # roles() at every mark and block too (for the timeline), not only at peaks
 
     def __enter__(self):
         # a storage resized in place (FSDP2's and fsdp_impl's free and refill of gathered
@@ -213,29 +218,71 @@ class Allocations(TorchDispatchMode):
         if self.after_peak:
             self.after_peak = False
             self.peak_live = {v[2]: v[0] for v in self.live.values()}  # (by storage number)
-            self.peak_roles = {self.live[k][2]: role for k, role in (self.roles() if self.roles else {}).items()
-                               if k in self.live}
+            self.peak_roles = self.note_roles()
+
+    def note_roles(self):
+        """{storage number: role} of the live storages roles() names now, each kept in role_of too."""
+        now = {self.live[k][2]: role for k, role in (self.roles() if self.roles else {}).items() if k in self.live}
+        for number, role in now.items():
+            self._note_role(number, role)
+        return now
+
+    def _note_role(self, number, role):
+        old = self.role_of.get(number)
+        if old is None or ROLES.index(role) < ROLES.index(old):
+            self.role_of[number] = role
 
     def made_of(self):
-        """The peak's bytes by role. A storage no role names is a gradient if a backward made it and
-        it outlived that backward (grads kept for accumulation, reduced ones on their way), an
-        activation if forward made it or it died within its backward, else other."""
+        """The peak's bytes by role: as roles() named them at the peak, else by lifetime_roles."""
+        by_lifetime = self.lifetime_roles()
+        made_of = dict.fromkeys(ROLES, 0)
+        for number, nbytes in self.peak_live.items():
+            made_of[self.peak_roles.get(number) or by_lifetime[number]] += nbytes
+        return made_of
+
+    def lifetime_roles(self):
+        """{storage number: role} by lifetime, for the storages no role names: a gradient if a
+        backward made it and it outlived that backward (grads kept for accumulation, reduced ones on
+        their way), an activation if forward made it or it died within its backward, else other."""
         born, died, marks = {}, {}, [index for index, _ in self.marks]
         for index, (number, nbytes) in enumerate(self.trace):
             born.setdefault(number, index)
             if nbytes == 0 and number not in died:
                 died[number] = index
-        made_of = dict.fromkeys(ROLES, 0)
-        for number, nbytes in self.peak_live.items():
-            role = self.peak_roles.get(number)
-            if role is None:
-                phase = bisect.bisect_right(marks, born[number]) - 1
-                where = self.marks[phase][1] if phase >= 0 else "setup"
-                end = marks[phase + 1] if phase + 1 < len(marks) else len(self.trace)
-                role = ("activations" if " forward " in where or died.get(number, len(self.trace)) < end else
-                        "gradients") if " forward " in where or " backward " in where else "other"
-            made_of[role] += nbytes
-        return made_of
+        roles = {}
+        for number, first in born.items():
+            phase = bisect.bisect_right(marks, first) - 1
+            where = self.marks[phase][1] if phase >= 0 else "setup"
+            end = marks[phase + 1] if phase + 1 < len(marks) else len(self.trace)
+            roles[number] = ("activations" if " forward " in where or died.get(number, len(self.trace)) < end else
+                             "gradients") if " forward " in where or " backward " in where else "other"
+        return roles
+
+    def timeline(self, exclude=(), points=3000):
+        """The run's allocated bytes after each event of the trace, stacked by role (role_of, else
+        lifetime_roles), at most `points` of them: in each stretch of events the one with the most
+        bytes, so the peak is one. Storages in `exclude` (offload's host side) are left out."""
+        role = self.lifetime_roles() | self.role_of
+        slot = {r: i for i, r in enumerate(ROLES)}
+        sizes, stack, rows = {}, [0] * len(ROLES), []
+        for index, (number, nbytes) in enumerate(self.trace):
+            if number not in exclude:
+                stack[slot[role[number]]] += nbytes - sizes.get(number, 0)
+                sizes[number] = nbytes
+            rows.append([index, *stack])
+        stride = -(-len(rows) // points) if rows else 1
+        rows = [max(rows[i:i + stride], key=lambda r: sum(r[1:])) for i in range(0, len(rows), stride)]
+        where_units = [index for index, _ in self.units]
+
+        def unit_at(index):
+            at = bisect.bisect_right(where_units, index) - 1
+            return self.units[at][1] if at >= 0 else ""
+        gathered = {n for n, r in self.role_of.items() if r == "gathered_parameters"}
+        frees = [[index, unit_at(index)] for index, (number, nbytes) in enumerate(self.trace)
+                 if nbytes == 0 and number in gathered]
+        return {"roles": list(ROLES), "events": len(self.trace), "stacked": rows,
+                "marks": [list(m) for m in self.marks], "units": [list(u) for u in self.units],
+                "collectives": [list(c) for c in self.collectives], "gathered_freed": frees}
 
     def _collective(self, func, args, out):
         """Bytes through each collective: the larger of its input and output, what a rank sends or
@@ -254,7 +301,12 @@ class Allocations(TorchDispatchMode):
             self.groups.add(group.group_name)
         big = max(tensors, key=lambda t: t.numel() * t.element_size())
         self.count_collective(kind, big.numel() * big.element_size(), group.size())
-        self.comm_storages.update(t.untyped_storage()._cdata for t in tensors)
+        self.collectives.append((len(self.trace), kind, self.where))
+        for t in tensors:
+            key = t.untyped_storage()._cdata
+            self.comm_storages.add(key)
+            if key in self.live:
+                self._note_role(self.live[key][2], "communication")
 
     def count_collective(self, kind, nbytes, group_size):
         """Its bytes, and its bus bytes: what each rank's link carries (nccl-tests' busbw is these
@@ -416,29 +468,36 @@ def fake_process_group(world, rank, backend="fake"):
 
 
 def block_marks(model, counter):
-    """Name the module at work: a block's forward, and its backward (when its output's grad comes)."""
+    """Name the module at work: a block's forward, and its backward (when its output's grad comes).
+    The hooks run before FSDP's, so what a block's hooks issue (its gather, the next one's
+    prefetch) is named after it."""
     gpt = getattr(model, "module", model)
+
+    def at_work(i):
+        counter.where = f"{counter.where.split(' @ ')[0]} @ h.{i}"
+        counter.units.append((len(counter.trace), counter.where))
+
+    def left(module, args, output, i):
+        if counter.sampling:  # (its gathered parameters are live until FSDP's hook that follows)
+            counter.note_roles()
+        if output.requires_grad:
+            output.register_hook(lambda grad: at_work(i))
     for i, block in enumerate(gpt.transformer.h):
-        def entered(module, args, i=i):
-            counter.where = f"{counter.where.split(' @ ')[0]} @ h.{i}"
-
-        def left(module, args, output, i=i):
-            if output.requires_grad:
-                output.register_hook(lambda grad, i=i: setattr(counter, "where", f"{counter.where.split(' @ ')[0]} @ h.{i}"))
-        block.register_forward_pre_hook(entered)
-        block.register_forward_hook(left)
+        block.register_forward_pre_hook(lambda module, args, i=i: at_work(i), prepend=True)
+        block.register_forward_hook(lambda module, args, output, i=i: left(module, args, output, i), prepend=True)
 
 
-def run(settings, backend_name, world, rank, fake=True, measured=nullcontext, group=None):
+def run(settings, backend_name, world, rank, fake=True, measured=nullcontext, group=None, sampling=False):
     """Build the model and take two training steps as rank `rank` of `world`, under a fake process
     group, counting storages from the model's creation on. With fake=False the tensors are real, and
     `measured()` (the tests' profiler) is entered where the counting starts. Returns the counter,
     this rank's state bytes and its micro-steps per step. `group(world, rank)`: the process group
-    to run in (PyTorch's fake one by default)."""
+    to run in (PyTorch's fake one by default). sampling: roles noted at every mark and block."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     settings = dict(settings, device="cpu")
     local_steps = per_rank_micro_steps(settings, world)
     counter = Allocations()
+    counter.sampling = sampling
     with (group or fake_process_group)(world, rank):
         back = make_backend(backend_name, settings)  # (its mesh outside the fake mode: meshes read values)
         model = meta_model(settings)
@@ -455,6 +514,8 @@ def steps(counter, settings, back, model, local_steps, fake):
     for step in range(2):
         def mark(where, step=step):
             counter.snapshot_if_at_peak()
+            if counter.sampling:
+                counter.note_roles()
             counter.where = f"step {step + 1} {where}"
             counter.marks.append((len(counter.trace), counter.where))
             if where == "zero_grad":  # the gradients are still there
@@ -516,22 +577,28 @@ def busbw(world, given=""):
     return INFINIBAND_BUSBW[min([w for w in INFINIBAND_BUSBW if w >= world] or [1024])]
 
 
-def plan(settings, backend_name, world, rank):
-    """One backend at W ranks, as rank `rank`: the row plan.py reports. Under cpu_offload the run
-    is planned without it, and the GPU's side is what stays after the state moves to host memory."""
+def plan(settings, backend_name, world, rank, timeline=False):
+    """One backend at W ranks, as rank `rank`: the row plan.py reports; with timeline, its
+    "timeline" too (Allocations.timeline). Under cpu_offload the run is planned without it, and the
+    GPU's side is what stays after the state moves to host memory."""
     started = time.time()
     offload = settings["cpu_offload"]
     if offload and backend_name == "ddp":  # (planned without offload below: ask train.py's refusal here)
         raise BackendError("cpu_offload and replicate_degree apply to the sharded backends only")
-    counter, state, local_steps = run(dict(settings, cpu_offload=False), backend_name, world, rank)
+    counter, state, local_steps = run(dict(settings, cpu_offload=False), backend_name, world, rank, sampling=timeline)
     peak, peak_at, made_of, trace = counter.peak, counter.peak_where, counter.made_of(), counter.trace
+    peak_event = counter.peak_index - 1
     if offload:
-        peak, peak_at, trace = device_side(counter)
+        peak, peak_at, trace, peak_event = device_side(counter)
         made_of = None  # (the breakdown is the whole run's)
     # cuBLAS's workspaces are made at the first forward and backward, and kept: the peak, in the
     # second step, holds them, and a block never freed is reused by nobody, so they go first
     cuda = CachingAllocatorModel().replay([(-1 - i, CUBLAS_WORKSPACE_BYTES) for i in range(CUBLAS_WORKSPACES)] + trace)
-    return {"backend": backend_name, "nproc": world, "rank": rank, "micro_steps": local_steps,
+    extra = {}
+    if timeline:
+        extra["timeline"] = dict(counter.timeline(exclude=counter.host_numbers if offload else ()),
+                                 peak_event=peak_event)
+    return extra | {"backend": backend_name, "nproc": world, "rank": rank, "micro_steps": local_steps,
             "peak_allocated_bytes": peak, "cuda_allocated_bytes": cuda.peak_allocated,
             "reserved_bytes": cuda.reserved, "peak_at": peak_at, "peak_made_of": made_of,
             "communicators": len(counter.groups),
@@ -544,7 +611,8 @@ def plan(settings, backend_name, world, rank):
 
 def device_side(counter):
     """CPU offload's GPU side: the run's allocations but those of the state (the sharded parameters,
-    their gradients, the optimizer state), which live in host memory -> (peak, where, its trace).
+    their gradients, the optimizer state), which live in host memory -> (peak, where, its trace,
+    the index in the run's trace of the event that made the peak).
     Not modelled: each gather's copy of a unit's shard to the GPU, and each reduce-scatter's output
     there until it is copied out; together at most two of the largest unit's shards."""
     live, allocated, peak, peak_index, trace = {}, 0, 0, 0, []
@@ -557,7 +625,7 @@ def device_side(counter):
         if allocated > peak:
             peak, peak_index = allocated, index
     phase = bisect.bisect_right([index for index, _ in counter.marks], peak_index) - 1
-    return peak, counter.marks[phase][1] if phase >= 0 else "setup", trace
+    return peak, counter.marks[phase][1] if phase >= 0 else "setup", trace, peak_index
 
 
 def meta_model(settings):
@@ -674,13 +742,17 @@ def main(argv):
     backends = [settings["dist_backend"]] if given_backend else list(BACKENDS)
     if settings["cpu_offload"] and not given_backend:  # (DDP does not offload: plan(ddp) refuses it)
         backends = [b for b in backends if b != "ddp"]
-    rows = []
+    rows, timelines = [], []
+    drawn = bool(own["timeline"] or own["timeline_json"])
     for backend_name in backends:
         for world in own["nproc"]:
             rank = own["rank"] if own["rank"] < world else 0
             print(f"planning {backend_name} at W={world}, rank {rank}", file=sys.stderr, flush=True)
             try:
-                row = in_child(plan, settings, backend_name, world, rank)
+                row = in_child(plan, settings, backend_name, world, rank, drawn)
+                if drawn:
+                    timelines.append({k: row[k] for k in ("backend", "nproc", "rank", "peak_allocated_bytes", "peak_at")}
+                                     | row.pop("timeline"))
                 row["busbw_gbps"] = busbw(world, own["busbw_gbps"])
                 row["comm_seconds_per_step"] = row["comm_bus_bytes_per_step"] / (row["busbw_gbps"] * 1e9)
                 row["fits"] = row["headroom_bytes"] = row["max_batch_size"] = None  # (no GPU memory given)
@@ -701,6 +773,12 @@ def main(argv):
             json.dump(rows, f, indent=1)
     if own["png"]:
         draw(rows, settings, own["png"])
+    if own["timeline_json"]:
+        import json
+        with open(own["timeline_json"], "w") as f:
+            json.dump(timelines, f)
+    if own["timeline"]:
+        draw_timelines(timelines, settings, own["timeline"])
 
 
 def draw(rows, settings, path):
@@ -726,6 +804,60 @@ def draw(rows, settings, path):
     ax.legend()
     fig.tight_layout()
     fig.savefig(path)
+
+
+ROLE_COLOURS = {"parameters": "#4c72b0", "gradients": "#dd8452", "optimizer_state": "#55a868",
+                "gathered_parameters": "#8172b3", "communication": "#c44e52", "activations": "#ccb974", "other": "#999999"}
+EVENT_MARKS = {"all_gather": ("v", "#1f77b4", "all-gather"), "reduce_scatter": ("^", "#d62728", "reduce-scatter"),
+               "all_reduce": ("D", "#ff7f0e", "all-reduce"), "gathered_freed": ("|", "#555555", "gathered freed")}
+
+
+def draw_timelines(timelines, settings, path):
+    """One panel per planned run: a rank's allocated bytes over two training steps, event by event,
+    stacked by role; under it each collective and each free of gathered parameters, at the event
+    where the step issues it; phases as dotted lines; the peak and its moment labelled. The panels
+    share the y-axis, so backends and world sizes compare at a glance."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
+    top = max(t["peak_allocated_bytes"] for t in timelines)
+    unit, scale = ("GiB", 2**30) if top >= 2**30 else ("MiB", 2**20)
+    top /= scale
+    fig, axes = plt.subplots(len(timelines), 1, figsize=(11, 2.4 * len(timelines) + 0.9), sharey=True, squeeze=False)
+    for ax, t in zip(axes[:, 0], timelines):
+        x = [row[0] for row in t["stacked"]]
+        layers = [[row[1 + i] / scale for row in t["stacked"]] for i in range(len(t["roles"]))]
+        ax.stackplot(x, layers, colors=[ROLE_COLOURS[r] for r in t["roles"]], step="post", linewidth=0)
+        events = [(index, kind) for index, kind, _ in t["collectives"]] + [(i, "gathered_freed") for i, _ in t["gathered_freed"]]
+        for kind, (marker, colour, _) in EVENT_MARKS.items():
+            at = [index for index, k in events if k == kind]
+            y = -top * (0.05 if kind == "gathered_freed" else 0.11)
+            ax.plot(at, [y] * len(at), marker, color=colour, markersize=4, linestyle="none", clip_on=False)
+        for index, where in t["marks"]:
+            ax.axvline(index, color="#bbbbbb", linewidth=0.5, linestyle=":")
+        ticks = [(index, where) for index, where in t["marks"] if where.endswith("forward 0") or where.endswith("clip")]
+        ax.set_xticks([index for index, _ in ticks])
+        ax.set_xticklabels([where.replace("step ", "step ").replace(" forward 0", ": forward").replace(" clip", ": clip")
+                            for _, where in ticks], fontsize=7)
+        ax.annotate(f"peak {t['peak_allocated_bytes'] / scale:,.2f} {unit}: {t['peak_at']}",
+                    (t["peak_event"], t["peak_allocated_bytes"] / scale), xytext=(0.01, 0.95), textcoords="axes fraction",
+                    fontsize=7, va="top", arrowprops=dict(arrowstyle="->", color="k", linewidth=0.6))
+        ax.set_title(f"{t['backend']}, W={t['nproc']}, rank {t['rank']}", fontsize=9, loc="right")
+        ax.set_xlim(0, t["events"])
+        ax.set_ylim(-top * 0.15, top * 1.1)
+        ax.set_ylabel(f"{unit} allocated", fontsize=8)
+        ax.tick_params(axis="y", labelsize=7)
+    handles = [Patch(color=ROLE_COLOURS[r], label=r.replace("_", " ")) for r in ROLES] + [
+        Line2D([], [], marker=m, color=c, linestyle="none", markersize=5, label=label) for m, c, label in EVENT_MARKS.values()]
+    fig.legend(handles=handles, loc="upper center", ncol=6, fontsize=7, frameon=False)
+    axes[-1, 0].set_xlabel("allocation events in the order the step makes them: two training steps", fontsize=8)
+    fig.text(0.01, 0.995, f"batch {settings['batch_size']} x {settings['block_size']}, {settings['dtype']}",
+             fontsize=8, va="top")
+    fig.tight_layout(rect=(0, 0, 1, 1 - 0.5 / fig.get_figheight()))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def table(rows, settings, limit):

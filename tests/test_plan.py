@@ -176,6 +176,39 @@ def test_plan_prints_a_table_and_writes_json(tmp_path, data):
     assert max(len(line) for line in res.stdout.splitlines()) <= 120
 
 
+def test_the_timeline_stacks_to_the_peak_in_the_schedules_order(tmp_path, data):
+    """plan.py --timeline_json: each backend's stacked roles add up to the plan's peak at its peak
+    event and nowhere above it; the phases follow train.py's loop, step by step; FSDP's collectives
+    follow its schedule: the forward gathers unit after unit, one ahead (prefetch), the backward
+    reduce-scatters from the last block to the first, each after that block's backward began.
+    --timeline draws the panels."""
+    out, png = tmp_path / "timeline.json", tmp_path / "timeline.png"
+    res = new_interpreter([sys.executable, REPO / "plan.py", "--nproc=2", *MODEL, f"--data_dir={data}",
+                           "--wrap_policy=block", "--gradient_accumulation_steps=2", f"--timeline_json={out}",
+                           f"--timeline={png}"], timeout=120)
+    assert res.returncode == 0, res.describe()
+    assert png.stat().st_size > 0
+    timelines = json.loads(out.read_text())
+    assert [t["backend"] for t in timelines] == ["ddp", "fsdp", "custom_fsdp"]
+    phases = ["forward 0", "backward 0", "clip", "optimizer", "zero_grad", "between steps"]
+    for t in timelines:
+        totals = {row[0]: sum(row[1:]) for row in t["stacked"]}
+        assert totals[t["peak_event"]] == t["peak_allocated_bytes"] == max(totals.values()), t["backend"]
+        assert list(totals) == sorted(totals) and t["roles"] == list(plan.ROLES)
+        assert [where for _, where in t["marks"]] == [f"step {s} {p}" for s in (1, 2) for p in phases]
+        assert [index for index, _ in t["marks"]] == sorted(index for index, _ in t["marks"])
+        if t["backend"] == "ddp":
+            continue
+        for step in (1, 2):
+            def blocks(kind, phase):
+                return [int(where.split("@ h.")[1]) if "@ h." in where else -1 for _, k, where in t["collectives"]
+                        if k == kind and where.startswith(f"step {step} {phase}")]
+            gathers, scatters = blocks("all_gather", "forward"), blocks("reduce_scatter", "backward")
+            assert gathers == [-1, -1, 0, 1], (t["backend"], gathers)  # the root and h.0, then h.1 and h.2 ahead
+            assert scatters == [2, 1, 0, 0], (t["backend"], scatters)  # h.2, h.1, h.0, then the root's
+            assert not blocks("reduce_scatter", "forward")
+
+
 def test_cpu_offload_plans_the_gpus_side(tmp_path, data):
     """Under cpu_offload the state (sharded parameters, gradients, optimizer state) lives in host
     memory: the GPU's peak is the run's without it, and the host holds the state. A model of the
