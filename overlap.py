@@ -13,8 +13,15 @@ where it blocks on a collective: any range named like a wait, a c10d call, or FS
 Per step: the union of each, their intersection (hidden), and what stayed exposed. Then where the
 exposed time went: on CPU the innermost range the training thread was in (mostly the wait that
 blocked it: which unit's all-gather or reduce-scatter to look at), on GPU the communication kernel.
+
+    python overlap.py TRACE [TRACE ...] --png=lanes.png
+
+draws the profiled steps as lanes, one group per trace (ranks, or backends) on one time axis from
+each trace's first step: compute, the all-gathers, the reduce-scatters and all-reduces, each
+collective labelled with the unit whose range issued it, and the exposed time shaded.
 """
 import json
+import os
 import sys
 
 COMM_MARKS = ("gloo:", "nccl:", "ncclKernel", "ncclDevKernel")
@@ -156,6 +163,90 @@ def summarize(rows):
     return out
 
 
+LANES = ("compute", "all-gather", "reduce-scatter / all-reduce")
+KIND_LANE = {"all_gather": 1, "allgather": 1, "reduce_scatter": 2, "all_reduce": 2, "allreduce": 2}
+
+
+def lane_of(name):
+    """The lane of a collective, from its name (gloo's, NCCL's kernels, c10d's ops), or None. On
+    gloo a reduce-scatter runs as an all-reduce, which is why the two share a lane."""
+    flat = name.lower().replace("_", "")
+    return next((lane for kind, lane in KIND_LANE.items() if kind.replace("_", "") in flat), None)
+
+
+def unit_of(name):
+    """The unit a range names: fsdp_impl's "fsdp::all_gather transformer.h.3" and FSDP2's
+    "FSDP::all_gather (transformer.h.3)" give "h.3"."""
+    rest = name.split("::", 1)[-1].split(" ", 1)
+    return rest[1].strip("()").removeprefix("transformer.") if len(rest) > 1 else ""
+
+
+def lanes(trace):
+    """(steps as (start, end) in ms from the first step's start, {lane: [(start, end, label)]},
+    exposed intervals as (start, end)). Collectives of one lane run in the order the training
+    thread issued them (its c10d ops), so the k-th in a lane is labelled with the unit of the
+    innermost FSDP range around the k-th c10d op of that lane. No range: no label (DDP's reducer,
+    the loss's all-reduce)."""
+    steps, _, comm, compute = _timelines(trace)
+    out = {lane: [] for lane in LANES}
+    if not steps:
+        return [], out, []
+    t0, main = steps[0]["ts"], steps[0]["tid"]
+    events = [e for e in trace["traceEvents"] if e.get("ph") == "X" and "dur" in e]
+    on_main = [e for e in events if e["tid"] == main]
+    ranges = [e for e in on_main if e.get("cat") == "user_annotation" and "::" in e["name"]]
+    issued = {lane: [] for lane in (1, 2)}
+    for op in sorted((e for e in on_main if e["name"].startswith("c10d::") and lane_of(e["name"])), key=lambda e: e["ts"]):
+        around = [r for r in ranges if r["ts"] <= op["ts"] and r["ts"] + r["dur"] >= op["ts"] + op["dur"]]
+        issued[lane_of(op["name"])].append(unit_of(min(around, key=lambda r: r["dur"])["name"]) if around else "")
+    moved = [e for e in events if lane_of(e["name"]) and (e["name"].startswith("gloo:") or e.get("cat") == "kernel")]
+    for e in sorted(moved, key=lambda e: e["ts"]):
+        lane = lane_of(e["name"])
+        label = issued[lane].pop(0) if issued[lane] else ""
+        out[LANES[lane]].append(((e["ts"] - t0) / 1e3, (e["ts"] + e["dur"] - t0) / 1e3, label))
+    out["compute"] = [((a - t0) / 1e3, (b - t0) / 1e3, "") for a, b in compute]
+    spans = [((s["ts"] - t0) / 1e3, (s["ts"] + s["dur"] - t0) / 1e3) for s in steps]
+    exposed = [((a - t0) / 1e3, (b - t0) / 1e3) for a, b in _subtract(comm, compute)]
+    return spans, out, exposed
+
+
+def draw(paths, png):
+    """The lanes of each trace in `paths`, one group under another, on one time axis, into `png`."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    colours = {"compute": "#4c72b0", "all-gather": "#55a868", "reduce-scatter / all-reduce": "#dd8452"}
+    drawn = [(path, lanes(load(path))) for path in paths]
+    end = max((steps[-1][1] for _, (steps, _, _) in drawn if steps), default=1.0)
+    fig, ax = plt.subplots(figsize=(12, 0.8 + 0.45 * (len(LANES) + 1) * len(paths)))
+    ticks = []
+    for g, (path, (steps, by_lane, exposed)) in enumerate(drawn):
+        top = (len(drawn) - g) * (len(LANES) + 1) - 1  # (the group's first lane; a gap between groups)
+        for a, b in exposed:
+            ax.fill_between([a, b], top - len(LANES) + 0.5, top + 0.5, color="#e41a1c", alpha=0.2, linewidth=0)
+        for a, b in steps:
+            ax.vlines([a, b], top - len(LANES) + 0.5, top + 0.5, color="#444444", linewidth=0.8, linestyles=":")
+        for i, lane in enumerate(LANES):
+            y = top - i
+            bars = by_lane[lane]
+            ax.broken_barh([(a, b - a) for a, b, _ in bars], (y - 0.35, 0.7), color=colours[lane], linewidth=0)
+            for a, b, label in bars:
+                if label and b - a > end * 0.009 * len(label):  # (where the label fits)
+                    ax.text((a + b) / 2, y, label, ha="center", va="center", fontsize=6, color="white")
+            name = os.path.join(os.path.basename(os.path.dirname(path)), os.path.basename(path))
+            ticks.append((y, f"{name}: {lane}" if i == 0 else lane))
+    ax.set_yticks([y for y, _ in ticks])
+    ax.set_yticklabels([label for _, label in ticks], fontsize=7)
+    ax.set_ylim(0.4, len(drawn) * (len(LANES) + 1) - 0.4)
+    ax.set_xlim(0, end)
+    ax.set_xlabel("ms from each trace's first profiled step; dotted: step boundaries; red: communication no compute hid",
+                  fontsize=8)
+    ax.tick_params(axis="x", labelsize=7)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+
+
 def load(path):
     """The trace in file `path`, or an exit with one line saying why it cannot be read."""
     try:
@@ -171,9 +262,13 @@ def load(path):
 
 
 if __name__ == "__main__":
-    if len(sys.argv) < 2:
-        raise SystemExit("usage: python overlap.py TRACE [TRACE ...]   (--profile=True writes them)")
-    for path in sys.argv[1:]:
+    png = [a.partition("=")[2] for a in sys.argv[1:] if a.startswith("--png=")]
+    paths = [a for a in sys.argv[1:] if not a.startswith("--png=")]
+    if not paths:
+        raise SystemExit("usage: python overlap.py TRACE [TRACE ...] [--png=PATH]   (--profile=True writes them)")
+    if png:
+        draw(paths, png[-1])
+    for path in paths:
         trace = load(path)
         rows = analyse(trace)
         print(path)

@@ -751,7 +751,26 @@ def test_train_writes_traces_memory_reports_and_a_memory_trace(char_data, tmp_pa
         with open(tmp_path / "memory" / f"rank{rank}.json") as f:
             assert any(e.get("name") == "[memory]" for e in json.load(f)["traceEvents"])
     with open(tmp_path / "metrics.jsonl") as f:
-        memory = [r for r in map(json.loads, f) if r.get("event") == "memory"]
+        rows = list(map(json.loads, f))
+    memory = [r for r in rows if r.get("event") == "memory"]
+    # the lanes overlap.py draws hold, in each profiled step, the collectives the step issued: on
+    # gloo a reduce-scatter runs as an all-reduce and shares that lane; each gather is named after its unit
+    (comm,) = [r for r in rows if r.get("event") == "comm_per_step"]
+    # (iteration 0 follows the evaluation at 0, which left the root and the last block gathered: that
+    # step gathers two fewer than the others, the profiled ones among them)
+    gathers_per_step = (6 * comm["all_gather_count"] + 2) / 6
+    for rank in (0, 1):
+        steps, by_lane, exposed = overlap.lanes(overlap.load(tmp_path / "traces" / "custom_fsdp" / f"rank{rank}.json"))
+        assert len(steps) == 3 and by_lane["compute"]
+        for a, b in steps:
+            gathers, reductions = ([bar for bar in by_lane[lane] if a <= bar[0] < b] for lane in overlap.LANES[1:])
+            assert len(gathers) == pytest.approx(gathers_per_step), (gathers, comm)
+            assert len(reductions) == comm["reduce_scatter_count"] + comm["all_reduce_count"], (reductions, comm)
+            assert {label for _, _, label in gathers} == {"root", "h.0", "h.1"}
+    png = tmp_path / "lanes.png"
+    cli = launch([sys.executable, REPO / "overlap.py", *(tmp_path / "traces" / "custom_fsdp" / f"rank{r}.json" for r in (0, 1)),
+                  f"--png={png}"], timeout=60)
+    assert cli.returncode == 0 and png.stat().st_size > 0, cli.stderr
     assert [r["stage"] for r in memory] == ["after model creation", "after first step", "after last step", "end"]
     assert all(r["rss_mb"] > 0 and r["params_mb"] > 0 for r in memory)
     # the steps' reports come before zero_grad: the local gradient shards are there (unpadded)
