@@ -343,6 +343,8 @@ class FSDPBackend(Backend):
 
     def set_grad_sync(self, model, enabled):
         model.set_requires_gradient_sync(enabled)
+        if not self.cfg["reshard_after_backward"]:  # gathered until the micro-step that syncs, which frees them
+            model.set_reshard_after_backward(enabled)
 
     def local_grads(self, optimizer):
         """The local shards of the gradients: through DTensor each foreach op of the norm and the

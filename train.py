@@ -73,6 +73,7 @@ reshard_after_forward = True  # True: ZeRO-3 (free gathered params after forward
 wrap_policy = "size"  # 'size': consecutive blocks per unit up to min_wrap_params; 'block': one each; 'model': one unit
 min_wrap_params = 20_000_000  # wrap_policy='size': a unit takes blocks until it holds this many parameters
 prefetch = True  # gather the next unit while this one computes
+reshard_after_backward = True  # False: units stay gathered between accumulation micro-steps, freed after the last
 replicate_degree = 1  # HSDP: >1 replicates over this many groups and shards inside each
 cpu_offload = False  # keep sharded params, grads and optimizer state in CPU memory (CUDA only)
 activation_checkpointing = False  # recompute each block's activations in backward (any backend)

@@ -1,10 +1,12 @@
 """
 Counts the gradient collectives of each micro-step of gradient accumulation, per backend.
 
-    torchrun --standalone --nproc_per_node=2 tests/accum_worker.py RESULT.json [ddp fsdp custom_fsdp]
+    torchrun --standalone --nproc_per_node=2 tests/accum_worker.py RESULT.json [ddp fsdp custom_fsdp fsdp+keep ...]
 
 Builds a tiny GPT on the meta device and wraps it with backends.make_backend(...).wrap(...) exactly
 as train.py does, then runs MICRO_STEPS micro-steps with backend.set_grad_sync(model, is_last).
+A name ending in +keep runs with train.py's reshard_after_forward=False and reshard_after_backward=False:
+the units stay gathered from the first forward to the last backward.
 Rank 0 writes {backend: {"grad_collectives": [per micro-step], "all_gathers": [...], "units": n}}.
 
 Counting, not guessing: train.py's observe.CommCounter wraps torch.distributed's collectives
@@ -29,7 +31,9 @@ from observe import CommCounter  # noqa: E402
 MICRO_STEPS = 3
 N_LAYER = 2
 CFG = dict(device="cpu", dtype="float32", compile=False, cpu_offload=False, replicate_degree=1,
-           wrap_policy="block", min_wrap_params=1_000_000, reshard_after_forward=True, prefetch=True)
+           wrap_policy="block", min_wrap_params=1_000_000, reshard_after_forward=True, prefetch=True,
+           reshard_after_backward=True)
+KEEP = dict(reshard_after_forward=False, reshard_after_backward=False)
 
 
 def allreduce_hook(state, bucket):
@@ -41,7 +45,8 @@ def allreduce_hook(state, bucket):
 
 
 def run(name, counter):
-    back = make_backend(name, CFG)
+    name, keep = name.removesuffix("+keep"), name.endswith("+keep")
+    back = make_backend(name, CFG | KEEP if keep else CFG)
     with torch.device("meta"):
         model = GPT(GPTConfig(n_layer=N_LAYER, n_head=2, n_embd=32, block_size=16, vocab_size=65,
                               dropout=0.0, bias=False))
@@ -79,7 +84,8 @@ def run(name, counter):
     else:
         grads_agree = False
     return {"grad_collectives": grad_collectives, "all_gathers": all_gathers, "units": units,
-            "n_layer": N_LAYER, "has_grads": has_grads, "grads_agree": grads_agree}
+            "n_layer": N_LAYER, "has_grads": has_grads, "grads_agree": grads_agree,
+            "grads": [g.full_tensor().tolist() if hasattr(g, "full_tensor") else g.tolist() for g in grads]}
 
 
 def main():

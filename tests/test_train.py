@@ -306,7 +306,8 @@ def test_cross_backend_resume(writer, reader, nproc, runs_b, tiny_args, tmp_path
 @pytest.fixture(scope="module")
 def accum_counts(tmp_path_factory):
     out = tmp_path_factory.mktemp("accum") / "counts.json"
-    res = launch(launcher(2) + [REPO / "tests" / "accum_worker.py", out, *BACKENDS_W2], timeout=300)
+    res = launch(launcher(2) + [REPO / "tests" / "accum_worker.py", out, *BACKENDS_W2, "fsdp+keep", "custom_fsdp+keep"],
+                 timeout=300)
     assert res.returncode == 0, res.describe()
     return json.loads(out.read_text())
 
@@ -323,6 +324,16 @@ def test_accumulation_syncs_on_last_microstep_only(accum_counts, backend):
         assert counts[2] == c["n_layer"] + 1, f"{backend}: {counts}"
         assert all(n > 0 for n in c["all_gathers"]), c  # the counting wrappers did see traffic
     assert c["has_grads"] and c["grads_agree"], c
+
+
+@pytest.mark.parametrize("backend", ["fsdp", "custom_fsdp"])
+def test_units_kept_gathered_across_micro_steps_gather_once(accum_counts, backend):
+    """reshard_after_backward=False with reshard_after_forward=False: every unit gathered in the
+    first forward only, the same gradient collectives, and the same gradients to the bit."""
+    kept, default = accum_counts[f"{backend}+keep"], accum_counts[backend]
+    assert kept["all_gathers"] == [kept["units"], 0, 0], kept["all_gathers"]
+    assert kept["grad_collectives"] == default["grad_collectives"]
+    assert kept["grads"] == default["grads"] and kept["grads_agree"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -349,7 +360,8 @@ def test_compile_matches_eager(runs_a, tiny_args, tmp_path, backend, wrap_policy
 # each script changes what it varies (dict(SETTINGS, compile=True))
 SETTINGS_PRELUDE = """
 SETTINGS = dict(device="cpu", dtype="float32", compile=False, cpu_offload=False, replicate_degree=1,
-                wrap_policy="block", min_wrap_params=1, reshard_after_forward=True, prefetch=True)
+                wrap_policy="block", min_wrap_params=1, reshard_after_forward=True, prefetch=True,
+                reshard_after_backward=True)
 """
 
 WRAP_AND_REPORT_GRAPHS = SETTINGS_PRELUDE + """
