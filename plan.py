@@ -855,7 +855,8 @@ def draw_timelines(timelines, settings, path):
     axes[-1, 0].set_xlabel("allocation events in the order the step makes them: two training steps", fontsize=8)
     fig.text(0.01, 0.995, f"batch {settings['batch_size']} x {settings['block_size']}, {settings['dtype']}",
              fontsize=8, va="top")
-    fig.tight_layout(rect=(0, 0, 1, 1 - 0.5 / fig.get_figheight()))
+    height = fig.get_figheight()
+    fig.subplots_adjust(left=0.07, right=0.99, top=1 - 0.8 / height, bottom=0.65 / height, hspace=0.55)
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
