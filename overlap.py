@@ -14,9 +14,9 @@ Per step: the union of each, their intersection (hidden), and what stayed expose
 exposed time went: on CPU the innermost range the training thread was in (mostly the wait that
 blocked it: which unit's all-gather or reduce-scatter to look at), on GPU the communication kernel.
 
-    python overlap.py TRACE [TRACE ...] --png=lanes.png
+    python overlap.py TRACE [TRACE ...] --png=lanes.png [--step=N]
 
-draws the profiled steps as lanes, one group per trace (ranks, or backends) on one time axis from
+draws the profiled steps (or step N alone) as lanes, one group per trace (ranks, or backends) on one time axis from
 each trace's first step: compute, the all-gathers, the reduce-scatters and all-reduces, each
 collective labelled with the unit whose range issued it, and the exposed time shaded.
 """
@@ -181,9 +181,9 @@ def unit_of(name):
     return rest[1].strip("()").removeprefix("transformer.") if len(rest) > 1 else ""
 
 
-def lanes(trace):
+def lanes(trace, step=None):
     """(steps as (start, end) in ms from the first step's start, {lane: [(start, end, label)]},
-    exposed intervals as (start, end)). Collectives of one lane run in the order the training
+    exposed intervals as (start, end)); with `step`, only ProfilerStep#<step>, from its start. Collectives of one lane run in the order the training
     thread issued them (its c10d ops), so the k-th in a lane is labelled with the unit of the
     innermost FSDP range around the k-th c10d op of that lane. No range: no label (DDP's reducer,
     the loss's all-reduce)."""
@@ -207,16 +207,24 @@ def lanes(trace):
     out["compute"] = [((a - t0) / 1e3, (b - t0) / 1e3, "") for a, b in compute]
     spans = [((s["ts"] - t0) / 1e3, (s["ts"] + s["dur"] - t0) / 1e3) for s in steps]
     exposed = [((a - t0) / 1e3, (b - t0) / 1e3) for a, b in _subtract(comm, compute)]
+    if step is not None:
+        (lo, hi), = [span for s, span in zip(steps, spans) if s["name"] == f"ProfilerStep#{step}"] or [(None, None)]
+        if lo is None:
+            raise SystemExit(f"error: the trace has no ProfilerStep#{step}; it has "
+                             + ", ".join(s["name"] for s in steps))
+        out = {lane: [(a - lo, b - lo, label) for a, b, label in bars if lo <= a < hi] for lane, bars in out.items()}
+        spans, exposed = [(0.0, hi - lo)], [(a - lo, min(b, hi) - lo) for a, b in exposed if lo <= a < hi]
     return spans, out, exposed
 
 
-def draw(paths, png):
-    """The lanes of each trace in `paths`, one group under another, on one time axis, into `png`."""
+def draw(paths, png, step=None):
+    """The lanes of each trace in `paths`, one group under another, on one time axis, into `png`
+    (with `step`: that profiled step alone)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     colours = {"compute": "#4c72b0", "all-gather": "#55a868", "reduce-scatter / all-reduce": "#dd8452"}
-    drawn = [(path, lanes(load(path))) for path in paths]
+    drawn = [(path, lanes(load(path), step)) for path in paths]
     end = max((steps[-1][1] for _, (steps, _, _) in drawn if steps), default=1.0)
     fig, ax = plt.subplots(figsize=(12, 0.8 + 0.45 * (len(LANES) + 1) * len(paths)))
     ticks = []
@@ -239,8 +247,8 @@ def draw(paths, png):
     ax.set_yticklabels([label for _, label in ticks], fontsize=7)
     ax.set_ylim(0.4, len(drawn) * (len(LANES) + 1) - 0.4)
     ax.set_xlim(0, end)
-    ax.set_xlabel("ms from each trace's first profiled step; dotted: step boundaries; red: communication no compute hid",
-                  fontsize=8)
+    start = f"ProfilerStep#{step}'s start" if step is not None else "each trace's first profiled step"
+    ax.set_xlabel(f"ms from {start}; dotted: step boundaries; red: communication no compute hid", fontsize=8)
     ax.tick_params(axis="x", labelsize=7)
     fig.tight_layout()
     fig.savefig(png, dpi=110)
@@ -262,12 +270,13 @@ def load(path):
 
 
 if __name__ == "__main__":
-    png = [a.partition("=")[2] for a in sys.argv[1:] if a.startswith("--png=")]
-    paths = [a for a in sys.argv[1:] if not a.startswith("--png=")]
-    if not paths:
-        raise SystemExit("usage: python overlap.py TRACE [TRACE ...] [--png=PATH]   (--profile=True writes them)")
-    if png:
-        draw(paths, png[-1])
+    flags = {a.partition("=")[0]: a.partition("=")[2] for a in sys.argv[1:] if a.startswith("--")}
+    paths = [a for a in sys.argv[1:] if not a.startswith("--")]
+    if not paths or set(flags) - {"--png", "--step"} or not flags.get("--step", "0").isdigit():
+        raise SystemExit("usage: python overlap.py TRACE [TRACE ...] [--png=PATH [--step=N]]   "
+                         "(--profile=True writes them)")
+    if "--png" in flags:
+        draw(paths, flags["--png"], int(flags["--step"]) if "--step" in flags else None)
     for path in paths:
         trace = load(path)
         rows = analyse(trace)
