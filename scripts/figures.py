@@ -1,0 +1,426 @@
+"""
+Every figure and table of docs/LEARN.md, made from this project's own plans and runs.
+
+    python scripts/figures.py                 # everything, into docs/figures/, results/ and docs/LEARN.md
+    python scripts/figures.py --small         # each kind once, on tiny models (the tests run this)
+    python scripts/figures.py --render        # only the tables, from results/learn/*.json
+
+Figures: a rank's memory over two planned steps (plan.py --timeline), and profiled steps as lanes
+(overlap.py --png), custom_fsdp above FSDP2, one per schedule. Tables, each from a JSON file in
+results/learn/: memory per rank by W and its roles (plan.py), the step's communication against its
+formula (plan.py), collectives alone (scripts/collectives.py), step time and exposed communication
+(bench.py), weak scaling (plan.py and bench.py). Each figure's commands go to commands.md beside it.
+Traces need data: --data_dir (data/shakespeare_char by default, which its prepare.py writes).
+"""
+import argparse
+import contextlib
+import json
+import os
+import runpy
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+
+import torch
+
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, HERE)
+import overlap  # noqa: E402
+import plan  # noqa: E402
+
+GIB = 2**30
+BLOCK_BEGIN, BLOCK_END = "<!-- figures.py: {} -->", "<!-- /figures.py -->"
+# the full form's models: GPT-2 124M with micro-batches of 2 x 1024, 1.3B and 7B with 1 sequence;
+# each rank takes one micro-step (gradient_accumulation_steps = W)
+MODELS = {"124M": ["config/train_gpt2.py", "--batch_size=2"],
+          "1.3B": ["config/train_gpt2.py", "config/model_1b.py", "--batch_size=1"],
+          "7B": ["config/train_gpt2.py", "config/model_7b.py", "--batch_size=1"]}
+TINY_MODEL = ["--n_layer=3", "--n_head=4", "--n_embd=64", "--batch_size=4", "--block_size=32", "--wrap_policy=block"]
+# the traces' model: big enough on 2 CPU cores for compute to hide communication under
+TRACE_MODEL = ["--n_layer=8", "--n_head=12", "--n_embd=768", "--batch_size=4", "--block_size=64"]
+TINY_TRACE_MODEL = ["--n_layer=2", "--n_head=2", "--n_embd=64", "--batch_size=4", "--block_size=32"]
+# the schedules the traces show: name, caption, train.py settings
+SCHEDULES = [
+    ("zero3", "(a, b) ZeRO-3 with prefetch: in forward each unit's gather runs under the previous unit's compute; "
+              "in backward the next gather and this unit's reduce-scatter run under backward compute.", []),
+    ("zero2", "(c) ZeRO-2 (`reshard_after_forward=False`): units stay gathered from forward to backward, "
+              "so backward gathers nothing.", ["--reshard_after_forward=False"]),
+    ("kept-gathered", "(d) Two micro-steps with `reshard_after_backward=False` and `reshard_after_forward=False`: "
+                      "no gather after the first forward.",
+     ["--reshard_after_forward=False", "--reshard_after_backward=False", "--gradient_accumulation_steps=4"]),
+    ("no-sync", "(e) Two micro-steps per rank: the first backward reduces nothing; the reduce-scatters come in "
+                "the last backward only.", ["--gradient_accumulation_steps=4"]),
+    ("no-prefetch", "(f) `prefetch=False`, for contrast: each unit waits for its own gather.", ["--prefetch=False"]),
+]
+
+
+def run_rank(argv, log, env):
+    """`python ARGV` as one rank in this forked process, with torchrun's worker environment `env`
+    and its output in `log`; returns its exit code."""
+    code = 1
+    try:
+        fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        os.environ.update({k: str(v) for k, v in env.items()})
+        torch.set_num_threads(1)  # (torchrun's OMP_NUM_THREADS=1; the OpenMP runtime read it before the fork)
+        sys.argv = list(argv)
+        sys.path.insert(0, os.path.dirname(os.path.abspath(argv[0])))
+        runpy.run_path(argv[0], run_name="__main__")
+        code = 0
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 0 if e.code is None else print(e.code, file=sys.stderr) or 1
+    except BaseException:
+        traceback.print_exc()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    return code
+
+
+class Figures:
+    """Where the outputs go, and the log of the commands that made each figure."""
+
+    def __init__(self, figures_dir, results_dir, small, data_dir):
+        self.figures_dir, self.results_dir, self.small, self.data_dir = figures_dir, results_dir, small, data_dir
+        self.commands = {}  # figure or table -> its commands
+        self.work = tempfile.mkdtemp(prefix="figures-")
+        os.makedirs(figures_dir, exist_ok=True)
+        os.makedirs(results_dir, exist_ok=True)
+
+    def run(self, what, argv, torchrun=0):
+        """Run `python ARGV` (under torchrun with that many processes), log it for `what`, and fail
+        in one line with its last error line if it fails. plan.py's main and torchrun's ranks run
+        forked from this process, which has imported torch: each starts at once, not in seconds."""
+        shown = self.shown((f"torchrun --standalone --nproc_per_node={torchrun} " if torchrun else "python ")
+                           + shlex.join(argv))
+        for name in what:
+            self.commands.setdefault(name, []).append(shown)
+        if argv[0] == "plan.py" and not torchrun:
+            with open(os.devnull, "w") as null, contextlib.redirect_stdout(null), contextlib.redirect_stderr(null):
+                try:
+                    plan.main(argv[1:])
+                except SystemExit as e:
+                    raise SystemExit(f"error: {shown} failed: {e}")
+            return
+        if torchrun:
+            failed = self.ranks(argv, torchrun)
+            errors = open(failed).read() if failed else ""
+        else:
+            res = subprocess.run([sys.executable] + argv, cwd=HERE, capture_output=True, text=True)
+            errors = res.stderr if res.returncode else ""
+            failed = res.returncode
+        if failed:
+            lines = [line for line in errors.splitlines() if line.strip()] or ["(no output)"]
+            raise SystemExit(f"error: {shown} failed: {next((x for x in lines if x.startswith('error')), lines[-1])}")
+
+    def ranks(self, argv, world):
+        """`torchrun --standalone --nproc_per_node=WORLD ARGV`: each rank forked with torchrun's
+        environment, its output in a log; the first to fail stops the others, as torchrun does.
+        Returns the failed rank's log, or None."""
+        with socket.socket() as s:  # (a free port, as torchrun --standalone finds one)
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        sys.stdout.flush()
+        sys.stderr.flush()
+        logs = {}
+        for rank in range(world):
+            log = os.path.join(self.work, f"rank{rank}.log")
+            pid = os.fork()
+            if pid == 0:
+                os._exit(run_rank(argv, log, dict(RANK=rank, LOCAL_RANK=rank, WORLD_SIZE=world, LOCAL_WORLD_SIZE=world,
+                                                  MASTER_ADDR="127.0.0.1", MASTER_PORT=port, OMP_NUM_THREADS=1)))
+            logs[pid] = log
+        failed = None
+        while logs:
+            pid, status = os.wait()
+            log = logs.pop(pid)
+            if os.waitstatus_to_exitcode(status) and failed is None:
+                failed = log
+                for other in logs:
+                    os.kill(other, signal.SIGTERM)
+        return failed
+
+    def shown(self, command):
+        """A command as the docs show it: from the repository's root, scratch files under $WORK."""
+        return command.replace(self.work, "$WORK").replace(HERE + os.sep, "")
+
+    def figure(self, name):
+        return os.path.join(self.figures_dir, name + ".png")
+
+    def result(self, name):
+        return os.path.join(self.results_dir, f"{name}.json")
+
+    def save(self, name, rows, commands):
+        import bench
+        about = bench.provenance() | {"command": " && ".join(commands), "device": bench.device_name(False)}
+        with open(self.result(name), "w") as f:
+            json.dump(about | {"learn": name, "rows": rows}, f, indent=1)
+
+    def write_commands(self):
+        lines = ["# The commands behind each figure", "",
+                 "Made by `python scripts/figures.py`, which runs them from the repository's root.",
+                 "A memory figure draws its commands' `--timeline_json` files, a panel per backend planned.",
+                 "Where one command plans every backend, its `--timeline=PNG` draws the same figure.", ""]
+        for name, commands in self.commands.items():
+            lines += [f"## {name}", "", "```", *commands, "```", ""]
+        with open(os.path.join(self.figures_dir, "commands.md"), "w") as f:
+            f.write("\n".join(lines))
+
+
+# ---- memory: plan.py ------------------------------------------------------------------------------
+def memory(fig):
+    """The timelines, and the rows of memory per rank by W: one plan.py command per model and W (each
+    rank takes one micro-step: gradient_accumulation_steps = W). Where a W is drawn, every backend
+    drawn there is planned too ("all": the three)."""
+    if fig.small:
+        models = {"tiny": (TINY_MODEL + [f"--data_dir={fig.data_dir}"], [2], {2: "all"})}
+    else:
+        models = {"124M": (MODELS["124M"], [1, 2, 4, 8, 64], {1: "all", 2: "all", 8: "all"}),
+                  "1.3B": (MODELS["1.3B"], [1, 2, 4, 8, 64], {}),
+                  "7B": (MODELS["7B"], [1, 2, 4, 8, 64], {64: "fsdp"})}
+    rows, plans, timeline_json = [], os.path.join(fig.work, "plan.json"), os.path.join(fig.work, "timeline.json")
+    for model, (settings, worlds, drawn) in models.items():
+        shape = plan.train_settings(settings)
+        shape["vocab_size"] = plan.vocab_size(shape)
+        parameters = sum(p.numel() for p in plan.meta_model(shape).parameters())
+        for w in worlds:
+            name = f"memory-{model}-w{w}"
+            timelines = []
+            for backend in [None] if drawn.get(w) == "all" else ["fsdp", "custom_fsdp"] if w in drawn else ["custom_fsdp"]:
+                argv = ["plan.py", *settings, f"--nproc={w}", f"--gradient_accumulation_steps={w}", f"--json={plans}"]
+                argv += [f"--dist_backend={backend}"] * (backend is not None)
+                argv += [f"--timeline_json={timeline_json}"] * (w in drawn)
+                fig.run(["memory-by-w"] + [name] * (w in drawn), argv)
+                rows += [dict(r, model=model, parameters=parameters) for r in json.load(open(plans))]
+                if w in drawn:
+                    timelines += json.load(open(timeline_json))
+            if timelines:
+                plan.draw_timelines(timelines, dict(shape, dtype="bfloat16"), fig.figure(name))
+    fig.save("memory-by-w", rows, fig.commands["memory-by-w"])
+
+
+def render_memory_by_w(result):
+    """Per model and W, custom_fsdp's peak per rank, what it is made of, and when it comes."""
+    roles = ("parameters", "gradients", "optimizer_state", "gathered_parameters", "activations")
+    lines = ["| model | W | peak GiB | " + " | ".join(r.replace("_", " ") for r in roles) + " | other | peak at |",
+             "|---|---:|---:|" + "---:|" * (len(roles) + 1) + "---|"]
+    for r in result["rows"]:
+        if r["backend"] != "custom_fsdp":
+            continue
+        made = r["peak_made_of"]
+        other = sum(v for k, v in made.items() if k not in roles)
+        lines.append(f"| {r['model']} | {r['nproc']} | {r['peak_allocated_bytes'] / GIB:.2f} | "
+                     + " | ".join(f"{made[k] / GIB:.2f}" for k in roles) + f" | {other / GIB:.2f} | {r['peak_at']} |")
+    lines += ["", "custom_fsdp, bfloat16, rank 0, one micro-step per rank; GiB at the peak, by the role "
+              "each storage had there."]
+    return lines
+
+
+def render_comm_formula(result):
+    """The plan's exact bytes per step beside ZeRO's formula, for P parameters: FSDP gathers them
+    in bfloat16 in forward and again in backward and reduce-scatters float32 gradients; DDP
+    all-reduces float32 gradients. Bus bytes are what each rank's link carries."""
+    lines = ["| backend | W | all-gather GB | formula | reduce-scatter GB | formula | all-reduce GB | formula "
+             "| bus GB | formula |", "|---|---:|" + "---:|" * 8]
+    for r in result["rows"]:
+        if r["model"] not in ("124M", "tiny") or r["nproc"] == 1:
+            continue
+        p, w, c = r["parameters"], r["nproc"], r["comm_bytes_per_step"]
+        formula = {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 4 * p} if r["backend"] == "ddp" else {
+            "all_gather": 2 * 2 * p, "reduce_scatter": 4 * p, "all_reduce": 0}
+        bus = (w - 1) / w * (formula["all_gather"] + formula["reduce_scatter"] + 2 * formula["all_reduce"])
+        lines.append(f"| {r['backend']} | {w} | " + " | ".join(
+            f"{c.get(k, 0) / 1e9:.3f} | {formula[k] / 1e9:.3f}" for k in formula)
+            + f" | {r['comm_bus_bytes_per_step'] / 1e9:.3f} | {bus / 1e9:.3f} |")
+    lines += ["", "GB per rank and step as the plan counts them (nccl-tests' size: the larger of each "
+              "collective's input and output).",
+              "FSDP gathers less than its formula: train.py keeps the root and the last unit gathered from forward "
+              "to backward,", "since their backward comes first (`backends.py`).",
+              "The loss's all-reduce is the few bytes in the FSDP rows' all-reduce column."]
+    return lines
+
+
+# ---- traces: train.py --profile, overlap.py --png ---------------------------------------------------
+def traces(fig):
+    schedules = SCHEDULES[:1] if fig.small else SCHEDULES
+    model = TINY_TRACE_MODEL if fig.small else TRACE_MODEL
+    for name, _, settings in schedules:
+        paths = []
+        for backend in ("custom_fsdp",) if fig.small else ("custom_fsdp", "fsdp"):
+            out = os.path.join(fig.work, f"trace-{name}-{backend}")
+            fig.run([f"trace-{name}"], ["train.py", "--device=cpu", f"--data_dir={fig.data_dir}", f"--out_dir={out}",
+                                        f"--dist_backend={backend}", *model, "--wrap_policy=block", "--max_iters=3",
+                                        "--eval_iters=0", "--eval_interval=1000", "--keep_checkpoints=0",
+                                        "--profile=True", "--gradient_accumulation_steps=2", *settings], torchrun=2)
+            paths.append(os.path.join(out, "traces", backend, "rank0.json"))
+        overlap.draw(paths, fig.figure(f"trace-{name}"), step=2)
+        fig.commands[f"trace-{name}"].append(fig.shown(f"python overlap.py {shlex.join(paths)} "
+                                                       f"--png={fig.figure(f'trace-{name}')} --step=2"))
+
+
+def render_traces(_):
+    lines = []
+    for name, caption, _ in SCHEDULES:
+        lines += [f"![{name}](figures/trace-{name}.png)", "", caption, ""]
+    return lines[:-1]
+
+
+# ---- collectives, step time, weak scaling ---------------------------------------------------------
+def collectives(fig):
+    rows, commands = [], []
+    for w in (2,) if fig.small else (2, 4):
+        path = os.path.join(fig.work, f"collectives-{w}.json")
+        sizes = "0.01" if fig.small else "1,10,100"
+        fig.run(["collectives"], ["scripts/collectives.py", f"--json={path}", f"--sizes_mb={sizes}"], torchrun=w)
+        commands.append(fig.commands["collectives"][-1])
+        rows += json.load(open(path))["collectives"]
+    fig.save("collectives", rows, commands)
+
+
+def render_collectives(result):
+    lines = ["| op | MB | W | ms | algbw GB/s | busbw GB/s | ran as |", "|---|---:|---:|---:|---:|---:|---|"]
+    for r in result["rows"]:
+        lines.append(f"| {r['op']} | {r['size_bytes'] / 1e6:g} | {r['world_size']} | {r['seconds'] * 1e3:.2f} | "
+                     f"{r['algbw_gbps']:.2f} | {r['busbw_gbps']:.2f} | {r['ran_as']} |")
+    lines += ["", f"{result['device']}, {result['torch']}; float32, the median of timed calls between barriers.",
+              "gloo runs a reduce-scatter as an all-reduce of the whole input, so it costs more than one."]
+    return lines
+
+
+def step_time(fig):
+    rows = "ddp,fsdp,custom_fsdp" + ("" if fig.small else ",fsdp:prefetch=False,custom_fsdp:prefetch=False")
+    path = fig.result("step-time")
+    model = TINY_TRACE_MODEL if fig.small else TRACE_MODEL
+    fig.run(["step-time"], ["bench.py", f"--backends={rows}", "--nproc=2", "--repeats=1", "--steps=6",
+                            "--gradient_accumulation_steps=2", "--exposed=True", "--device=cpu", f"--data_dir={fig.data_dir}", "--wrap_policy=block",
+                            *model, f"--json={path}"])
+
+
+def render_step_time(result):
+    lines = ["| row | step ms | x first row | comm MB/step | exposed comm ms | hidden |", "|---|---:|---:|---:|---:|---:|"]
+    base = None
+    for name, r in result["backends"].items():
+        base = base or r["step_ms"]
+        hidden = "-" if r.get("hidden_fraction") is None else f"{r['hidden_fraction']:.0%}"
+        exposed = "-" if r.get("exposed_comm_ms") is None else f"{r['exposed_comm_ms']:.0f}"
+        lines.append(f"| {name} | {r['step_ms']:.0f} | {r['step_ms'] / base:.2f} | {r['comm_mb']:.1f} | {exposed} | {hidden} |")
+    lines += ["", f"{result['device']}, {result['torch']}, commit {result['commit']}: `{result['command']}`.",
+              "DDP's all-reduce runs in its C++ reducer, out of the counters' sight: its bytes are its gradients' size."]
+    return lines
+
+
+def weak_scaling(fig):
+    """Parameters per rank held constant: the model takes 2 W layers of width 256 (tiny: W layers of 64)."""
+    rows, commands = [], []
+    width = ["--n_embd=64", "--n_head=2"] if fig.small else ["--n_embd=256", "--n_head=4"]
+    micro = ["--batch_size=4", "--block_size=64", f"--data_dir={fig.data_dir}"]
+    per_w = 1 if fig.small else 2
+    for w in (1, 2) if fig.small else (1, 2, 4, 8, 16, 32, 64):
+        path = os.path.join(fig.work, "weak.json")
+        fig.run(["weak-scaling"], ["plan.py", "--dist_backend=custom_fsdp", f"--nproc={w}", f"--n_layer={per_w * w}",
+                                   *width, *micro, f"--gradient_accumulation_steps={w}", "--dtype=float32",
+                                   "--wrap_policy=block", f"--json={path}"])
+        commands.append(fig.commands["weak-scaling"][-1])
+        (row,) = json.load(open(path))
+        shape = plan.train_settings([f"--n_layer={per_w * w}", *width, *micro])
+        shape["vocab_size"] = plan.vocab_size(shape)
+        row |= {"n_layer": per_w * w, "parameters": sum(p.numel() for p in plan.meta_model(shape).parameters())}
+        if w <= (2 if fig.small else 4):
+            bench_path = os.path.join(fig.work, f"weak-bench-{w}.json")
+            fig.run(["weak-scaling"], ["bench.py", "--backends=custom_fsdp", f"--nproc={w}", "--repeats=1", "--steps=6",
+                                       "--device=cpu", f"--n_layer={per_w * w}", *width, *micro, "--wrap_policy=block",
+                                       f"--gradient_accumulation_steps={w}", f"--json={bench_path}"])
+            commands.append(fig.commands["weak-scaling"][-1])
+            row["step_ms"] = json.load(open(bench_path))["backends"]["custom_fsdp"]["step_ms"]
+        rows.append(row)
+    fig.save("weak-scaling", rows, commands)
+
+
+def render_weak_scaling(result):
+    lines = ["| W | layers | parameters | state per rank MiB | peak per rank MiB | step ms (CPU) |",
+             "|---:|---:|---:|---:|---:|---:|"]
+    for r in result["rows"]:
+        step = f"{r['step_ms']:.0f}" if "step_ms" in r else "-"
+        lines.append(f"| {r['nproc']} | {r['n_layer']} | {r['parameters'] / 1e6:.1f}M | {r['state_bytes'] / 2**20:.1f} | "
+                     f"{r['peak_allocated_bytes'] / 2**20:.1f} | {step} |")
+    lines += ["", "custom_fsdp, float32, one micro-step of 4 x 64 per rank. The state per rank stays flat.",
+              "The peak grows with depth: each rank keeps every layer's activations of its own micro-batch.",
+              "Step time is measured with W processes on 2 CPU cores: above W=2 they share cores."]
+    return lines
+
+
+RENDER = {"memory-by-w": render_memory_by_w, "comm-formula": render_comm_formula, "trace-figures": render_traces,
+          "collectives": render_collectives, "step-time": render_step_time, "weak-scaling": render_weak_scaling}
+SOURCES = {"memory-by-w": "memory-by-w", "comm-formula": "memory-by-w", "trace-figures": None,
+           "collectives": "collectives", "step-time": "step-time", "weak-scaling": "weak-scaling"}
+
+
+def render(doc, results_dir, missing_ok=False):
+    """Fill each `<!-- figures.py: NAME -->` block of `doc` from results_dir/NAME.json (with
+    missing_ok, a block whose JSON is not there is left as it is)."""
+    with open(doc) as f:
+        text = f.read()
+    for block, source in SOURCES.items():
+        begin = BLOCK_BEGIN.format(block)
+        if begin not in text:
+            continue
+        if source is None:
+            result = None
+        else:
+            path = os.path.join(results_dir, f"{source}.json")
+            if not os.path.exists(path):
+                if missing_ok:
+                    continue
+                raise SystemExit(f"error: {path} is missing: run python scripts/figures.py first")
+            with open(path) as f:
+                result = json.load(f)
+        start = text.index(begin) + len(begin)
+        end = text.index(BLOCK_END, start)
+        text = text[:start] + "\n" + "\n".join(RENDER[block](result)) + "\n" + text[end:]
+    with open(doc, "w") as f:
+        f.write(text)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--small", action="store_true", help="each kind of figure once, on tiny models")
+    p.add_argument("--render", action="store_true", help="only fill the tables, from the results' JSON")
+    p.add_argument("--figures_dir", default=os.path.join(HERE, "docs", "figures"))
+    p.add_argument("--results_dir", default=os.path.join(HERE, "results", "learn"),
+                   help="the tables' JSON (not results/*.json, which IMPLEMENTATION.md renders)")
+    p.add_argument("--doc", default=os.path.join(HERE, "docs", "LEARN.md"), help="the page whose tables are filled")
+    p.add_argument("--data_dir", default=os.path.join(HERE, "data", "shakespeare_char"),
+                   help="train.py's data for the traces (its prepare.py writes it)")
+    args = p.parse_args()
+    args.figures_dir, args.results_dir, args.doc, args.data_dir = map(
+        os.path.abspath, (args.figures_dir, args.results_dir, args.doc, args.data_dir))
+    os.chdir(HERE)  # (the config files' paths, as in the commands logged)
+    inside = [os.path.relpath(path) if path.startswith(HERE + os.sep) else path for path in (
+        args.figures_dir, args.results_dir, args.data_dir)]
+    args.figures_dir, args.results_dir, args.data_dir = inside  # (as the commands recorded show them)
+    if not args.render:
+        if not os.path.exists(os.path.join(args.data_dir, "train.bin")):
+            p.error(f"--data_dir={args.data_dir} has no train.bin: run python data/shakespeare_char/prepare.py")
+        fig = Figures(args.figures_dir, args.results_dir, args.small, args.data_dir)
+        try:
+            for part in (memory, traces, collectives) if args.small else (memory, traces, collectives, step_time,
+                                                                          weak_scaling):
+                started = time.time()
+                print(f"{part.__name__} ...", end=" ", flush=True)
+                part(fig)
+                print(f"{time.time() - started:.0f} s", flush=True)
+        finally:
+            shutil.rmtree(fig.work)
+        fig.write_commands()
+    render(args.doc, args.results_dir, missing_ok=args.small)
+    print(f"wrote {args.doc}")
+
+
+if __name__ == "__main__":
+    main()
