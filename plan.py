@@ -19,7 +19,8 @@ real one. A dispatch mode counts each storage as the allocator would: allocated 
 it, resized when a storage is resized (FSDP's gathers), freed when the last tensor on it dies.
 
 The counts are CPU tensors', as on --device=cpu: the figures a CPU run allocates, to the byte (the
-tests hold the plan to the CPU allocator's own count). The GPU's reserve is CUDA's caching
+tests hold the plan to the CPU allocator's own count). Given --device=cpu, the run is over gloo,
+whose buffers count too, at their worst (GlooBuffers): real runs peak at or below that plan. The GPU's reserve is CUDA's caching
 allocator replayed over them and cuBLAS's workspaces; whether it fits adds the CUDA context and
 NCCL's buffers, named figures (CUBLAS_WORKSPACE_BYTES and the rest) that scripts/plan_check.py
 measures on a GPU. Not modelled yet: CUDA's kernels and their scratch, autocast on CUDA, several
@@ -197,6 +198,18 @@ class Allocations(TorchDispatchMode):
             self._change(nbytes - entry[0])
             entry[0] = nbytes
 
+    def hold(self, nbytes):
+        """A buffer no op returns (gloo's, beside a collective), counted as communication from now
+        until release(key) with the key returned."""
+        key = ("held", len(self.live_ids))
+        self.live[key] = [nbytes, None, len(self.live_ids)]
+        self.live_ids.append(None)
+        self.comm_storages.add(key)
+        self._note_role(self.live[key][2], "communication")
+        self.trace.append((self.live[key][2], nbytes))
+        self._change(nbytes)
+        return key
+
     def _freed(self, key):
         self.snapshot_if_at_peak()  # (while the storage still counts among the live ones)
         entry = self.live.pop(key, None)
@@ -315,6 +328,67 @@ class Allocations(TorchDispatchMode):
         self.comm[kind] = self.comm.get(kind, 0) + nbytes
         share = (group_size - 1) / group_size
         self.bus_bytes += nbytes * {"all_gather": share, "reduce_scatter": share, "all_reduce": 2 * share}.get(kind, 1)
+
+
+class GlooBuffers:
+    """What gloo allocates beside a CPU run's collectives (ProcessGroupGloo.cpp), counted at its
+    worst. A gather's flat output, the gathered size: gloo's thread allocates it when the transfer
+    starts and frees it as it ends, so it may live from the call to the wait. A reduce-scatter's copy
+    of its input, on the calling thread: gloo all-reduces the copy, which lives until the caller
+    drops the handle. All-reduces run in place. The process group's collectives are wrapped for the
+    run (FSDP2 and fsdp_impl call them through torch.distributed's Python API)."""
+    NAMES = {"all_gather_into_tensor": True, "all_gather_single": True,  # name -> freed at the wait
+             "reduce_scatter_tensor": False, "reduce_scatter_single": False}
+
+    def __init__(self, counter):
+        self.counter, self.originals = counter, {}
+
+    def __enter__(self):
+        for name, at_wait in self.NAMES.items():
+            if hasattr(dist, name):  # (the *_single names are torch 2.13's)
+                self.originals[name] = getattr(dist, name)
+                setattr(dist, name, self._with_buffer(self.originals[name], at_wait))
+        return self
+
+    def __exit__(self, *exc):
+        for name, fn in self.originals.items():
+            setattr(dist, name, fn)
+
+    def _with_buffer(self, collective, at_wait):
+        counter = self.counter
+
+        def issue(*args, **kwargs):
+            tensors = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)]
+            big = max(tensors, key=lambda t: t.numel() * t.element_size())
+            work = collective(*args, **kwargs)
+            group = kwargs.get("group") or next((a for a in args if isinstance(a, dist.ProcessGroup)), None)
+            if (group or dist.group.WORLD).size() == 1:
+                return work
+            key = counter.hold(big.numel() * big.element_size())
+            if work is None:  # (synchronous: done before the call returned)
+                counter._freed(key)
+                return work
+            return HeldWork(work, lambda: counter._freed(key), at_wait)
+        return issue
+
+
+class HeldWork(dist.distributed_c10d.Work):
+    """A collective's handle that frees a buffer gloo keeps for it: at the wait, or when the caller
+    drops the handle (release runs once)."""
+
+    def __init__(self, work, release, at_wait):
+        super().__init__()
+        self.work, self.at_wait = work, at_wait
+        self.finalizer = weakref.finalize(self, release)
+
+    def wait(self, timeout=None):
+        done = self.work.wait() if timeout is None else self.work.wait(timeout)
+        if self.at_wait:
+            self.finalizer()
+        return done
+
+    def is_completed(self):
+        return self.work.is_completed()
 
 
 def plain_tensors(t):
@@ -487,12 +561,14 @@ def block_marks(model, counter):
         block.register_forward_hook(lambda module, args, output, i=i: left(module, args, output, i), prepend=True)
 
 
-def run(settings, backend_name, world, rank, fake=True, measured=nullcontext, group=None, sampling=False):
+def run(settings, backend_name, world, rank, fake=True, measured=nullcontext, group=None, sampling=False,
+        gloo=False):
     """Build the model and take two training steps as rank `rank` of `world`, under a fake process
     group, counting storages from the model's creation on. With fake=False the tensors are real, and
     `measured()` (the tests' profiler) is entered where the counting starts. Returns the counter,
     this rank's state bytes and its micro-steps per step. `group(world, rank)`: the process group
-    to run in (PyTorch's fake one by default). sampling: roles noted at every mark and block."""
+    to run in (PyTorch's fake one by default). sampling: roles noted at every mark and block. gloo:
+    a CPU run's process group, whose buffers count (GlooBuffers)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     settings = dict(settings, device="cpu")
     local_steps = per_rank_micro_steps(settings, world)
@@ -501,7 +577,8 @@ def run(settings, backend_name, world, rank, fake=True, measured=nullcontext, gr
     with (group or fake_process_group)(world, rank):
         back = make_backend(backend_name, settings)  # (its mesh outside the fake mode: meshes read values)
         model = meta_model(settings)
-        with measured(), FakeTensorMode(allow_non_fake_inputs=True) if fake else nullcontext(), counter:
+        with measured(), FakeTensorMode(allow_non_fake_inputs=True) if fake else nullcontext(), counter, \
+                GlooBuffers(counter) if gloo else nullcontext():
             state = steps(counter, settings, back, model, local_steps, fake)
     return counter, state, local_steps
 
@@ -577,15 +654,16 @@ def busbw(world, given=""):
     return INFINIBAND_BUSBW[min([w for w in INFINIBAND_BUSBW if w >= world] or [1024])]
 
 
-def plan(settings, backend_name, world, rank, timeline=False):
+def plan(settings, backend_name, world, rank, timeline=False, gloo=False):
     """One backend at W ranks, as rank `rank`: the row plan.py reports; with timeline, its
     "timeline" too (Allocations.timeline). Under cpu_offload the run is planned without it, and the
-    GPU's side is what stays after the state moves to host memory."""
+    GPU's side is what stays after the state moves to host memory. gloo: a CPU run's buffers count."""
     started = time.time()
     offload = settings["cpu_offload"]
     if offload and backend_name == "ddp":  # (planned without offload below: ask train.py's refusal here)
         raise BackendError("cpu_offload and replicate_degree apply to the sharded backends only")
-    counter, state, local_steps = run(dict(settings, cpu_offload=False), backend_name, world, rank, sampling=timeline)
+    counter, state, local_steps = run(dict(settings, cpu_offload=False), backend_name, world, rank, sampling=timeline,
+                                      gloo=gloo)
     peak, peak_at, made_of, trace = counter.peak, counter.peak_where, counter.made_of(), counter.trace
     peak_event = counter.peak_index - 1
     if offload:
@@ -733,10 +811,12 @@ def main(argv):
     own, rest = split_argv(argv)
     limit = gpu_bytes(own)
     given_backend = any(a.startswith("--dist_backend=") for a in rest)
-    given_dtype = any(a.startswith("--dtype=") for a in rest)
+    def given(key):  # on the command line or in a config file
+        return any(a.startswith(f"--{key}=") if a.startswith("--") else key in configurator.run_file(a) for a in rest)
     settings = train_settings(rest)
-    if not given_dtype and not any(not a.startswith("--") and "dtype" in configurator.run_file(a) for a in rest):
+    if not given("dtype"):
         settings["dtype"] = "bfloat16"  # (what train.py takes on the GPUs plans are for)
+    gloo = given("device") and settings["device"] == "cpu"  # (a CPU run: its collectives go through gloo)
     settings["vocab_size"] = vocab_size(settings)
     compiled, settings["compile"] = settings["compile"], False  # (torch.compile's kernels: not planned)
     backends = [settings["dist_backend"]] if given_backend else list(BACKENDS)
@@ -749,7 +829,7 @@ def main(argv):
             rank = own["rank"] if own["rank"] < world else 0
             print(f"planning {backend_name} at W={world}, rank {rank}", file=sys.stderr, flush=True)
             try:
-                row = in_child(plan, settings, backend_name, world, rank, drawn)
+                row = in_child(plan, settings, backend_name, world, rank, drawn, gloo)
                 if drawn:
                     timelines.append({k: row[k] for k in ("backend", "nproc", "rank", "peak_allocated_bytes", "peak_at")}
                                      | row.pop("timeline"))
@@ -764,7 +844,7 @@ def main(argv):
                 rows.append(row)
             except BackendError as e:
                 configurator.fail(str(e))
-    print(table(rows, settings, limit))
+    print(table(rows, settings, limit, gloo))
     if compiled:
         print("compile=True is planned as eager: the compiled kernels' own buffers are not counted.")
     if own["json"]:
@@ -861,7 +941,7 @@ def draw_timelines(timelines, settings, path):
     plt.close(fig)
 
 
-def table(rows, settings, limit):
+def table(rows, settings, limit, gloo=False):
     def gib(n):
         return f"{n / 2**30:,.2f}"
     answers = limit is not None
@@ -886,6 +966,9 @@ def table(rows, settings, limit):
         lines.append(f"in {limit / 2**30:,.1f} GiB: " + "; ".join(
             f"{b} fits from W={w}" for b, w in smallest.items()) if smallest else "none of these fits")
     lines.append("peak: allocated, as the CPU allocator counts it (kernels' own scratch aside).")
+    if gloo:
+        lines.append("device=cpu: gloo's buffers count at their worst: a gather's from the call to its wait,")
+        lines.append("a reduce-scatter's copy of its input until the handle is dropped.")
     lines.append(f"reserve: CUDA's caching allocator replayed over it, one stream, with {CUBLAS_WORKSPACES} cuBLAS "
                  f"workspaces of {CUBLAS_WORKSPACE_BYTES // 2**20} MiB.")
     if answers:

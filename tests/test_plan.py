@@ -6,16 +6,19 @@ bfloat16 and a world size that leaves ranks with empty shards (a unit per block)
 per collective kind and step. Also the per-rank state, the largest rank, the reserve model's rules,
 and plan.py's refusals and output.
 
-The real runs use a process group whose collectives complete at once on the calling thread. Under
-gloo the peak also holds gloo's own copies of what it reduces, freed on gloo's threads at times of
-their own: not the program's memory, and not a GPU allocator's, where NCCL keeps its buffers apart.
+The real runs use a process group whose collectives complete at once on the calling thread, so
+their peak is the program's own. A real gloo run also holds gloo's buffers, at times its threads
+decide; plan.py --device=cpu counts them at their worst, and the last test holds that plan to the
+highest of several train.py runs.
 """
 import json
+import re
+import subprocess
 import sys
 
 import pytest
 
-from conftest import REPO, launch, one_error_line
+from conftest import REPO, launch, launcher, one_error_line
 
 sys.path.insert(0, str(REPO))
 import plan  # noqa: E402
@@ -306,3 +309,47 @@ def test_caching_allocator_model_follows_cudas_rules():
     assert merged.reserved == 20 * MiB and merged.peak_allocated == 15 * MiB
     resized = replay([(0, 0), (0, 4 * MiB), (0, 0)])  # FSDP's storage resize: a block, then none
     assert (resized.allocated, resized.reserved) == (0, 20 * MiB)
+
+
+# custom_fsdp, a unit per block: in backward each block's gather of the next one is in flight while
+# it computes, so gloo's buffer for that gather is alive at the peak in some runs and not in others
+REPEATED = ["--dist_backend=custom_fsdp", "--wrap_policy=block", "--n_layer=4", "--n_head=4", "--n_embd=128",
+            "--batch_size=12", "--block_size=64", "--gradient_accumulation_steps=2", "--dtype=float32"]
+
+
+def test_the_plan_of_a_cpu_run_holds_its_highest_real_peak(char_data, tmp_path):
+    """plan.py --device=cpu against train.py run for real, four times at W=2 on gloo, beside a
+    process that keeps a core busy. Each run's peak is the CPU allocator's own ledger over every
+    thread (tests/ledger.py): gloo's threads allocate too. The program's own memory is the same in
+    every run; gloo's buffers come and go with its threads' timing, and the plan counts them at
+    their worst. So every run lies between the plan without gloo's buffers and the plan with them.
+    Both plans count the batch, which a CPU run keeps in numpy's memory, and leave out train.py's
+    few metric scalars (under 64 bytes)."""
+    data = [f"--data_dir={char_data}"]
+    plans = {}
+    for device in ([], ["--device=cpu"]):  # (without --device: a GPU run's plan, no gloo)
+        out = tmp_path / f"plan{len(device)}.json"
+        res = new_interpreter([sys.executable, REPO / "plan.py", *REPEATED, *data, *device, "--nproc=2",
+                               f"--json={out}"], timeout=120)
+        assert res.returncode == 0, res.describe()
+        (row,) = json.loads(out.read_text())
+        plans[bool(device)] = row["peak_allocated_bytes"]
+    assert "gloo's buffers count at their worst" in res.stdout
+    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        peaks = []
+        for run in range(4):
+            res = launch(launcher(2) + [REPO / "tests" / "ledger.py", tmp_path / f"run{run}", REPO / "train.py",
+                                        *REPEATED, *data, "--device=cpu", f"--out_dir={tmp_path / f'out{run}'}",
+                                        "--max_iters=2", "--eval_iters=0", "--eval_interval=1000",
+                                        "--keep_checkpoints=0"], timeout=120)
+            assert res.returncode == 0, res.describe()
+            log = (tmp_path / f"run{run}.rank0.log").read_text()  # (rank 0: the rank plan.py reports)
+            peaks.append(max(int(total) for total in re.findall(r"total alloc (\d+) bytes", log)))
+    finally:
+        busy.kill()
+        busy.wait()
+    batch = 2 * 12 * 64 * 8  # (x and y, int64)
+    assert plans[True] > plans[False], plans  # (gloo's buffers reach the peak at their worst)
+    for peak in peaks:
+        assert plans[False] - batch - 64 <= peak <= plans[True] - batch + 64, (plans, peaks)
