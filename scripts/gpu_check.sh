@@ -73,12 +73,12 @@ for p in "${parts[@]}"; do
         part bench-1p3B 180 python bench.py --backends=ddp,custom_fsdp --repeats=1 --steps=12 $C \
             config/model_1b.py --block_size=1024 --batch_size=8 --json="$OUT/results/$gpu-w1-1p3B.json" ${BENCH_EXTRA:-} ;;
     plan)
-        part plan-124M 240 python scripts/plan_check.py --json="$OUT/results/$gpu-plan-124M.json" --nproc=1,2 \
+        part plan-124M 360 python scripts/plan_check.py --json="$OUT/results/$gpu-plan-124M.json" --nproc=1,2 --repeats=2 \
             --dataset=shakespeare --device=$device --dtype=bfloat16 $GPT2 --batch_size=12 ${PLAN_EXTRA:-} ;;
     plan-big)
-        part plan-124M-w4 150 python scripts/plan_check.py --json="$OUT/results/$gpu-plan-124M-w4.json" --nproc=4 \
+        part plan-124M-w4 150 python scripts/plan_check.py --json="$OUT/results/$gpu-plan-124M-w4.json" --nproc=4 --repeats=1 \
             --dataset=shakespeare --device=$device --dtype=bfloat16 $GPT2 --batch_size=12 ${PLAN_EXTRA:-}
-        part plan-1p3B 390 python scripts/plan_check.py --json="$OUT/results/$gpu-plan-1p3B.json" --nproc=1,2,4 \
+        part plan-1p3B 390 python scripts/plan_check.py --json="$OUT/results/$gpu-plan-1p3B.json" --nproc=1,2,4 --repeats=1 \
             --dataset=shakespeare --device=$device --dtype=bfloat16 config/model_1b.py --block_size=1024 \
             --batch_size=4 ${PLAN_EXTRA:-} ;;
     esac

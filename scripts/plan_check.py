@@ -1,11 +1,12 @@
 """
 plan.py against CUDA's own counters, on a GPU: what the GPU check (scripts/gpu_check.sh) runs for the
-memory plan. For each backend and world size, train.py takes two steps as fake hosts and reports
-torch.cuda's max allocated and max reserved bytes, max over ranks. plan.py plans the same run for
-every rank; the largest planned figures stand beside the measured ones.
+memory plan. For each backend and world size, train.py takes two steps as fake hosts, --repeats
+times, and reports torch.cuda's max allocated and max reserved bytes, max over ranks and runs (the
+caching allocator may free late what another stream used, so a run can peak above another). plan.py
+plans the same run for every rank; the largest planned figures stand beside the highest measured.
 
     python scripts/plan_check.py --json=results/h200-plan-124M.json [--backends=ddp,fsdp,custom_fsdp]
-                                 [--nproc=1,2] [--timeout=300] [train.py's config files and --key=value ...]
+                                 [--nproc=1,2] [--repeats=3] [--timeout=300] [train.py's config files and --key=value ...]
 
 It also measures the per-process memory plan.py names but cannot count: the CUDA context and
 cuBLAS's workspace (one fresh process), and NCCL's buffers (two fake hosts, over sockets). Each run
@@ -113,10 +114,11 @@ def planned(backend, world, args):
     return max(rows, key=lambda r: r["cuda_allocated_bytes"]), max(rows, key=lambda r: r["reserved_bytes"])
 
 
-def compare(backend, world, args, timeout, log):
-    allocated, reserved = measured(backend, world, args, timeout, log)
+def compare(backend, world, args, timeout, log, repeats):
+    runs = [measured(backend, world, args, timeout, log) for _ in range(repeats)]
+    allocated, reserved = (None if None in figures else max(figures) for figures in zip(*runs))
     by_allocated, by_reserved = planned(backend, world, args)
-    row = {"backend": backend, "nproc": world,
+    row = {"backend": backend, "nproc": world, "measured_runs": runs,
            "measured_max_allocated_bytes": allocated, "planned_allocated_bytes": by_allocated["cuda_allocated_bytes"],
            "measured_max_reserved_bytes": reserved, "planned_reserved_bytes": by_reserved["reserved_bytes"],
            "planned_cpu_peak_bytes": by_allocated["peak_allocated_bytes"], "planned_peak_at": by_allocated["peak_at"]}
@@ -132,6 +134,7 @@ def main(argv):
     parser.add_argument("--json", required=True)
     parser.add_argument("--backends", default="ddp,fsdp,custom_fsdp")
     parser.add_argument("--nproc", default="1,2")
+    parser.add_argument("--repeats", type=int, default=3, help="train.py runs per row; the plan stands beside the highest")
     parser.add_argument("--timeout", type=float, default=300, help="seconds per train.py run")
     a, args = parser.parse_known_args(argv)
     worlds = [int(w) for w in a.nproc.split(",")]
@@ -155,7 +158,7 @@ def main(argv):
         for backend in a.backends.split(","):
             for world in worlds:
                 try:  # (a row that fails says why, and the others still run: device time is scarce)
-                    row = compare(backend, world, args, a.timeout, log)
+                    row = compare(backend, world, args, a.timeout, log, a.repeats)
                 except (Exception, SystemExit) as e:
                     row = {"backend": backend, "nproc": world, "error": f"{type(e).__name__}: {e}"[-500:]}
                 result["plan_check"].append(row)

@@ -258,11 +258,11 @@ def test_the_largest_batch_that_fits_is_the_largest(tmp_path, data):
 
 def test_plan_check_sets_train_py_beside_the_plan(char_data, tmp_path):
     """scripts/plan_check.py, the GPU check's memory part, runs here as it would there: train.py's
-    two steps and the plan of every rank, one JSON row per backend and W. CPU reports no CUDA
+    two steps, twice, and the plan of every rank, one JSON row per backend and W. CPU reports no CUDA
     counters, so its measured figures are absent (the GPU issue fills them)."""
     out = tmp_path / "check.json"
     res = new_interpreter([sys.executable, REPO / "scripts" / "plan_check.py", f"--json={out}", "--backends=custom_fsdp",
-                  "--nproc=2", *MODEL, f"--data_dir={char_data}", "--device=cpu"], timeout=180)
+                  "--nproc=2", "--repeats=2", *MODEL, f"--data_dir={char_data}", "--device=cpu"], timeout=180)
     assert res.returncode == 0, res.describe()
     result = json.loads(out.read_text())
     assert {"command", "device", "torch", "commit", "date", "constants", "plan_assumes"} <= set(result)
@@ -271,6 +271,7 @@ def test_plan_check_sets_train_py_beside_the_plan(char_data, tmp_path):
     assert (row["backend"], row["nproc"]) == ("custom_fsdp", 2)
     assert row["planned_reserved_bytes"] >= row["planned_allocated_bytes"] > row["planned_cpu_peak_bytes"] > 0
     assert row["measured_max_allocated_bytes"] is None and row["allocated_within_target"] is None
+    assert row["measured_runs"] == [[None, None]] * 2
     import bench  # (results/ takes the file: its rendering for IMPLEMENTATION.md)
     table = bench.render_file(out)
     assert table[0] == "### " + out.parent.name + "/check.json" and "| `custom_fsdp` | 2 | - |" in "\n".join(table)
