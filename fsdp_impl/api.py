@@ -11,12 +11,14 @@ and registers thin forward hooks that call into the module's ShardedUnit.
 """
 import functools
 from dataclasses import dataclass
+from typing import Callable, Optional, Union
 
 import torch
 import torch._dynamo
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import Shard
 from torch.distributed.utils import _apply_to_tensors
 
 from . import comm
@@ -26,9 +28,9 @@ from .unit import FORWARD, GATHERING, ShardedUnit
 
 @dataclass(frozen=True)
 class MixedPrecisionPolicy:
-    param_dtype: torch.dtype = None  # all-gather and compute in this dtype (None: the params' own)
-    reduce_dtype: torch.dtype = None  # reduce-scatter gradients in this dtype (None: param_dtype)
-    output_dtype: torch.dtype = None  # cast floating-point outputs of the module's forward
+    param_dtype: Optional[torch.dtype] = None  # all-gather and compute in this dtype (None: the params' own)
+    reduce_dtype: Optional[torch.dtype] = None  # reduce-scatter gradients in this dtype (None: param_dtype)
+    output_dtype: Optional[torch.dtype] = None  # cast floating-point outputs of the module's forward
     cast_forward_inputs: bool = True  # cast floating-point inputs to param_dtype
 
 
@@ -80,25 +82,22 @@ def _check(modules, mesh):
             raise AssertionError(f"fully_shard: this {type(m).__name__} was sharded already (once per module)")
 
 
-def fully_shard(module, *, mesh=None, reshard_after_forward=None, shard_placement_fn=None,
-                mp_policy=MixedPrecisionPolicy(), offload_policy=OffloadPolicy(), ignored_params=None,
-                dp_mesh_dims=None):
-    """Shard `module`'s parameters (those no nested fully_shard took) over `mesh`'s last dim.
+def fully_shard(module: Union[nn.Module, list[nn.Module]], *, mesh: Optional[DeviceMesh] = None,
+                reshard_after_forward: Union[bool, int, None] = None,
+                shard_placement_fn: Optional[Callable[[nn.Parameter], Optional[Shard]]] = None,
+                mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
+                offload_policy: OffloadPolicy = OffloadPolicy(), ignored_params: Optional[set] = None,
+                dp_mesh_dims=None) -> nn.Module:
+    """Shard `module`'s parameters (those no nested fully_shard took) over `mesh`'s last dim; a 2-D
+    mesh (replicate, shard) gives HSDP. As FSDP2's (_fully_shard.py), it moves the modules' buffers
+    to the mesh's device, and on CUDA the root's forward moves its inputs there.
 
     reshard_after_forward: True frees the gathered parameters after forward (ZeRO-3), False keeps
-    them until after backward (ZeRO-2); None means True, except for the root, which keeps them.
-    FSDP2's int form: 1 means False, the shard group's size True; another factor G of it keeps, after
-    forward, each rank's piece of the gathered parameters over its group of G consecutive ranks, so
-    that backward's all-gather runs within it (not with tensor parallel or dim > 0 sharding).
-    offload_policy: CPUOffloadPolicy (ours or torch's) keeps the shards in CPU memory; the base
-    OffloadPolicy() keeps them on the mesh's device, as on a CPU mesh any policy does.
-    A 2-D mesh (replicate, shard) gives HSDP.
-    ignored_params: parameters left as they are, as FSDP2 leaves them: not sharded, not moved, their
-    gradients not reduced. shard_placement_fn(param) -> Shard(dim) or None (dim 0), as FSDP2's: a
-    dim other than 0 must split evenly (a tensor parallel parameter's tp-local tensor is what splits);
-    dp_mesh_dims is refused.
-    As FSDP2's, it moves the modules' buffers to the mesh's device, and on CUDA the root's forward
-    moves its inputs there.
+    them until after backward (ZeRO-2); None means True, except for the root. An int G, a factor of
+    the shard group's size, keeps each rank's piece over its group of G ranks for backward's gather.
+    offload_policy: CPUOffloadPolicy (ours or torch's) keeps the shards in CPU memory.
+    ignored_params: not sharded, not moved, their gradients not reduced.
+    shard_placement_fn(param) -> Shard(dim) or None (dim 0); a dim other than 0 must split evenly.
     """
     if dp_mesh_dims is not None:
         raise NotImplementedError("fully_shard(dp_mesh_dims=...): fsdp_impl takes the data-parallel mesh itself "
@@ -121,10 +120,9 @@ def fully_shard(module, *, mesh=None, reshard_after_forward=None, shard_placemen
         m.register_forward_hook(_post_forward)
         cls = m.__class__
         m.__class__ = _fsdp_classes.setdefault(cls, type(f"FSDP{cls.__name__}", (FSDPModule, cls), {}))
-    # state_dict() and load_state_dict() see the sharded DTensors, also when called on a submodule
-    # holding some of the unit's parameters (FSDP2 hooks every such module too). A load with
-    # assign=True into a materialized unit then rebuilds its flat shard once per such module: a
-    # one-time copy, where a load into a meta model builds it once, after its last module
+    # state_dict() and load_state_dict() see the sharded DTensors, also on a submodule holding some
+    # of the unit's parameters (FSDP2 hooks each too). A load with assign=True into a materialized
+    # unit rebuilds its flat shard once per such module; into a meta model, once, after its last
     for owner in dict.fromkeys(modules + [owner for ps in unit.params for owner, _ in ps.registrations]):
         owner.register_state_dict_pre_hook(lambda *_: unit.reshard())
         owner._register_load_state_dict_pre_hook(lambda *_: unit.reshard())
@@ -300,7 +298,8 @@ class FSDPModule:
         raise AssertionError(f"copy.deepcopy of a fully_shard-ed {type(self).__name__}: each rank holds only its "
                              "shards (FSDP2 refuses it too); load its state_dict() into a model of its own")
 
-    def unshard(self, async_op=False):
+    def unshard(self, async_op: bool = False) -> Optional["_UnshardHandle"]:
+        """Gather this unit's parameters now; with async_op, a handle whose wait() finishes it."""
         unit = self._fsdp_unit
         if unit.schedule is None:  # before the first forward: set up from the root, as forward will
             root = unit
@@ -313,67 +312,72 @@ class FSDPModule:
             return None
         return _UnshardHandle(unit)
 
-    def reshard(self):
+    def reshard(self) -> None:
         self._fsdp_unit.reshard()
 
-    def reset_iter_state(self):
+    def reset_iter_state(self) -> None:
         """After catching an exception raised in forward or backward: reshard every unit and drop
         the failed step's pending gradients, so the next step runs normally (as FSDP2's)."""
         if self._fsdp_unit.schedule is not None:
             self._fsdp_unit.schedule.reset()
 
-    def set_requires_gradient_sync(self, requires_gradient_sync, *, recurse=True):
-        """Under HSDP this switches the all-reduce across replicas too, as FSDP2's does."""
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+        """False: backward sums the grads locally, unreduced (no_sync); the next backward with it on
+        reduces the sum. Under HSDP this switches the all-reduce across replicas too, as FSDP2's does."""
         for unit in self._units(recurse):
-            unit.requires_grad_sync = requires_gradient_sync
-            unit.requires_all_reduce = requires_gradient_sync
+            unit.knobs.requires_grad_sync = requires_gradient_sync
+            unit.knobs.requires_all_reduce = requires_gradient_sync
 
-    def set_reshard_after_backward(self, reshard_after_backward, *, recurse=True):
+    def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
+        """False: units stay gathered after their backward (between micro-steps that do not sync,
+        say); the next forward then needs no all-gather. A reshard or an optimizer step frees them."""
         for unit in self._units(recurse):
             unit.reshard_after_backward = reshard_after_backward
 
-    def set_reshard_after_forward(self, reshard_after_forward, *, recurse=True):
+    def set_reshard_after_forward(self, reshard_after_forward: bool, *, recurse: bool = True) -> None:
         if not isinstance(reshard_after_forward, bool):  # (FSDP2's: None and group sizes are fully_shard's)
             raise ValueError(f"set_reshard_after_forward({reshard_after_forward!r}): pass True or False")
         for unit in self._units(recurse):
             unit.reshard_after_forward, unit.post_forward_size = reshard_after_forward, None
 
-    def set_requires_all_reduce(self, requires_all_reduce, *, recurse=True):
+    def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
+        """HSDP: False keeps each replica's reduce-scattered sums, unreduced across replicas, and adds
+        them to the next micro-step's; the micro-step with it on all-reduces the total."""
         for unit in self._units(recurse):
-            unit.requires_all_reduce = requires_all_reduce
+            unit.knobs.requires_all_reduce = requires_all_reduce
 
-    def set_gradient_divide_factor(self, factor):
+    def set_gradient_divide_factor(self, factor: float) -> None:
         """Divide the summed gradients by `factor` instead of averaging them over the ranks (FSDP2's:
         NCCL's PREMUL_SUM, or SUM and a division after with set_force_sum_reduction_for_comms). For
         this module's unit only, as FSDP2's."""
         for unit in self._units(recurse=False):
-            unit.gradient_divide_factor = factor
+            unit.knobs.gradient_divide_factor = factor
 
-    def set_reduce_scatter_divide_factor(self, factor):
+    def set_reduce_scatter_divide_factor(self, factor: float) -> None:
         """set_gradient_divide_factor's older name, as in FSDP2."""
         self.set_gradient_divide_factor(factor)
 
-    def set_force_sum_reduction_for_comms(self, enable):
+    def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
         """Reduce with SUM only, dividing before or after the collectives (NCCL's zero-copy
         collectives need SUM). For this module's unit only, as FSDP2's."""
         for unit in self._units(recurse=False):
-            unit.sums_only = enable
+            unit.knobs.sums_only = enable
 
-    def set_all_reduce_hook(self, hook, *, stream=None):
+    def set_all_reduce_hook(self, hook: Callable[[torch.Tensor], None], *, stream=None) -> None:
         """Call hook(reduced flat grads) in place after this unit's reduce-scatter, or after HSDP's
         all-reduce, before they become the sharded grads (FSDP2's). A stream of its own is not taken."""
         if stream is not None:
             raise NotImplementedError("set_all_reduce_hook(stream=...): fsdp_impl runs the hook where the "
                                       "reduction finishes; leave stream unset")
-        self._fsdp_unit.all_reduce_hook = hook
+        self._fsdp_unit.knobs.all_reduce_hook = hook
 
-    def set_is_last_backward(self, is_last_backward):
+    def set_is_last_backward(self, is_last_backward: bool) -> None:
         """False: the next backward is not the step's last (microbatches of a pipeline), so its end
         leaves the gradient reductions in flight; the last backward completes them (FSDP2's)."""
         for unit in self._units():
             unit.is_last_backward = is_last_backward
 
-    def set_unshard_in_backward(self, unshard_in_backward):
+    def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
         """False: this unit's backward needs none of its parameters (an embedding's, say), so it is
         not gathered for backward, nor prefetched (FSDP2's)."""
         self._fsdp_unit.unshard_in_backward = unshard_in_backward
@@ -385,14 +389,14 @@ class FSDPModule:
     def _set_unshard_async_op(self, async_op):
         """Accepted, with nothing to do: fsdp_impl's gathers are asynchronous collectives already."""
 
-    def set_modules_to_forward_prefetch(self, modules):
+    def set_modules_to_forward_prefetch(self, modules: list[nn.Module]) -> None:
         self._fsdp_unit.forward_prefetch = [m._fsdp_unit for m in modules]
 
-    def set_modules_to_backward_prefetch(self, modules):
+    def set_modules_to_backward_prefetch(self, modules: list[nn.Module]) -> None:
         self._fsdp_unit.backward_prefetch = [m._fsdp_unit for m in modules]
 
 
-def register_fsdp_forward_method(module, method_name):
+def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
     """Make `module.<method_name>` run as its forward does, between the unit's pre- and post-forward
     (gathered before, resharded after), as FSDP2's. A module that is not sharded is left as it is."""
     if not isinstance(module, FSDPModule):

@@ -1,19 +1,17 @@
 """
-The collectives, in one place, and the ledger that tests and bench.py read.
+The collectives, in one place, and the ledger the tests read.
 
-Every collective is issued asynchronously (`async_op=True`) and returns a work handle; the
-caller decides when to wait. On CUDA the handle's wait() makes the current stream wait on
-NCCL's stream (no host block); on gloo it blocks the host until gloo's own thread has moved
-the bytes. On both the communication runs while the caller computes, until the wait. The same
-calls run on gloo and NCCL, so the CPU tests exercise what GPU users run.
+Every collective is issued asynchronously and returns a work handle; the caller decides when to
+wait. On CUDA wait() makes the current stream wait on NCCL's (no host block); on gloo it blocks
+the host until gloo's thread has moved the bytes. The same calls run on gloo and NCCL, so the CPU
+tests exercise what GPU users run.
 
-`ledger` counts collectives and bytes and, when `ledger.events` is a list, logs the order of
-events (all-gather issued (all_gather_in_smaller_group: within the group a unit resharded to after
-forward) / waited, forward / backward of a unit, reduce-scatter issued / waited, free). Logging
-costs one `if` per event when off.
+`ledger` counts collectives and bytes and, when `ledger.events` is a list, logs each unit's
+events in order (gathers issued and waited, forward, backward, reductions, frees).
 """
 import functools
 from contextlib import nullcontext
+from typing import NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
@@ -113,23 +111,30 @@ def all_reduce(tensor, group, op=dist.ReduceOp.AVG):
     return dist.all_reduce(tensor, op=op, group=group, async_op=True)
 
 
+class ReductionOps(NamedTuple):
+    divide_before: Optional[float]  # the reduce-scatter's input, first
+    reduce_scatter: dist.ReduceOp
+    all_reduce: dist.ReduceOp  # HSDP's, across replicas
+    divide_after: Optional[float]  # the reduced result, last
+
+
 @functools.lru_cache(maxsize=None)  # (asked per unit and step: the answer depends on settings alone)
 def reduction_ops(shard_size, replicas, dtype, factor=None, sums_only=False):
-    """How gradients are averaged: (divide the input by, reduce-scatter op, all-reduce op, divide the
-    result by), as FSDP2's. In float32 and bfloat16 the collectives divide (AVG, or NCCL's
-    PREMUL_SUM by 1/factor for a custom factor), unless sums_only asks for SUM and a division after.
-    Other dtypes risk overflow: SUM, with the division split before and after."""
+    """How gradients are averaged (ReductionOps), as FSDP2's (_fsdp_collectives.py). In float32 and
+    bfloat16 the collectives divide (AVG, or NCCL's PREMUL_SUM by 1/factor for a custom factor),
+    unless sums_only asks for SUM and a division after. Other dtypes risk overflow: SUM, with the
+    division split before and after."""
     ranks = shard_size * replicas
     if dtype in (torch.float32, torch.bfloat16) and not sums_only:
         if factor is None:
             op = dist.ReduceOp.SUM if ranks == 1 else dist.ReduceOp.AVG
-            return None, op, op, None
+            return ReductionOps(None, op, op, None)
         op = dist.ReduceOp.AVG if factor == shard_size else dist.ReduceOp.PREMUL_SUM(1 / factor)
-        return None, op, dist.ReduceOp.SUM, None
+        return ReductionOps(None, op, dist.ReduceOp.SUM, None)
     factor = float(ranks) if factor is None else factor
     if dtype in (torch.float32, torch.bfloat16):
-        return None, dist.ReduceOp.SUM, dist.ReduceOp.SUM, factor
+        return ReductionOps(None, dist.ReduceOp.SUM, dist.ReduceOp.SUM, factor)
     before = 1
     while factor % before == 0 and factor / before > before:
         before *= 2
-    return before, dist.ReduceOp.SUM, dist.ReduceOp.SUM, factor / before
+    return ReductionOps(before, dist.ReduceOp.SUM, dist.ReduceOp.SUM, factor / before)

@@ -1,5 +1,5 @@
 """
-The two forms of one managed parameter, split by lifetime:
+The two forms of one managed parameter, split by lifetime (FSDP2's FSDPParam, _fsdp_param.py):
 
     ParamShard       from fully_shard on: where the modules register the parameter, its place in
                      the unit's flat buffers (its chunk along its shard dim, padded to
@@ -42,12 +42,11 @@ def dtensor_around(local, mesh, placements, shape, stride):
 
 
 class ParamShard:
-    """One managed parameter, for the unit's whole life: where the modules register it, its place
-    in the flat buffers and its sharded form (`sharded`: nn.Parameter(DTensor), what the optimizer
-    and state_dict see). Its unsharded form, made at lazy init, is an UnshardedParam (`unsharded`).
-
-    A tensor parallel parameter (a DTensor on a tp mesh) is sharded by its local tensor: `shape` is
-    that tensor's, and the sharded DTensor spans the dp and tp dims together (FSDP2's layout)."""
+    """One managed parameter, for the unit's whole life. Of a tensor parallel parameter, `shape` is
+    its local tensor's; `global_shape` the whole parameter's."""
+    __slots__ = ("registrations", "tp_spec", "shape", "dim", "first", "padded_numel", "local_shape", "local_numel",
+                 "stride", "dtype", "offset", "slot", "gather_dtype", "gather_offset", "gather_slot", "mesh",
+                 "placements", "global_shape", "sharded", "unsharded", "requires_grad")  # (no field added elsewhere)
 
     def __init__(self, registrations, param, world, rank, mesh, placements, dim):
         self.registrations = registrations  # [(module, attribute name)], several when tied
@@ -62,7 +61,9 @@ class ParamShard:
         self.local_shape = tuple(local)
         self.local_numel = math.prod(local)
         self.stride = contiguous_stride(self.local_shape)  # the local tensor's, and its grad's
-        self.dtype, self.offset, self.slot = param.dtype, None, None  # its place in flat_shard: the unit lays them out
+        self.dtype = param.dtype  # its own; Layout.lay_out_shard may change it (module.to(dtype))
+        self.offset = self.slot = None  # its place in flat_shard, in flat_shard's elements (Layout)
+        self.gather_dtype = self.gather_offset = self.gather_slot = None  # in the gather's buffer (Layout)
         self.mesh, self.placements = mesh, placements  # of the sharded DTensor
         self.global_shape = param.shape  # a DTensor's: the whole parameter's, over every mesh dim
         self.sharded = None  # nn.Parameter(DTensor)

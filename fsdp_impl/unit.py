@@ -1,41 +1,17 @@
 """
-ShardedUnit: the parameters of one fully_shard() call, which always communicate together.
+ShardedUnit: the parameters of one fully_shard() call, which always communicate together. It holds
+the mesh, the FSDPModule knobs, the two flat buffers (their layout: layout.py) and two state
+machines, one per lifetime of a question (FSDP2's _fsdp_param_group.py has the same two):
 
-Memory layout (W ranks in the shard group, rank r):
+    ShardedState   where the parameters are: SHARDED -> GATHERING -> UNSHARDED -> SHARDED, or, after
+                   forward with reshard_after_forward=G, UNSHARDED -> SHARDED_POST_FORWARD -> GATHERING
+    TrainingState  where the unit is in a step: IDLE -> FORWARD -> IDLE -> PRE_BACKWARD -> IDLE
 
-    flat_shard   [S]        this rank's chunk of every parameter (along dim 0, padded to
-                            ceil(dim0/W) rows, or along the dim shard_placement_fn asks for),
-                            back to back. Sharded parameters (DTensor, Shard(dim)) are views
-                            into it, so the optimizer updates it in place and it is the all-gather
-                            input with no copy (in fp32; one cast with mixed precision). Of a
-                            unit with parameters of several dtypes (LoRA's), it holds bytes.
-    all-gather   [W, S]     rank-major, as the collective writes it; copied out once into
-    flat_full    [W * S]    parameter-major: parameter i's full (padded) tensor is contiguous, and
-                            the unsharded parameters used by forward/backward are views into it.
-                            (One sharded on dim d > 0 arrives as its chunks stacked on dim 0:
-                            copied out into a temporary and concatenated along d, as in FSDP2.)
-                            Its storage is resized to hold memory while the unit is unsharded
-                            and to none otherwise (the views, and the tensors autograd saved,
-                            stay valid and come back to life when it is refilled).
-
-With one rank the shard already has the full layout: the all-gather is a copy straight into
-flat_full and the reduce-scatter is the identity (its input becomes the sharded .grads).
-Resharded after forward to groups of G consecutive ranks (reshard_after_forward=G, FSDP2's int
-form), rank r keeps piece r % G of each parameter's padded full tensor in flat_full (and of each
-alignment gap: `_group_shard`), and the next all-gather gathers those over its group into place.
-
-Gradients go the other way (reduce.py): unsharded grads -> [W, S] -> one reduce-scatter (AVG) ->
-[S], whose pieces become the sharded DTensor .grads. The layout and the collectives are exactly
-FSDP2's, so with the same arithmetic the numbers are the same bits. A parameter's two forms are
-in param.py.
-
-Two state machines. Where the parameters are (`state`): SHARDED -> GATHERING (all-gather in
-flight) -> UNSHARDED -> SHARDED. Where the unit is in a step (`training_state`): IDLE -> FORWARD
-(pre-forward to post-forward) -> IDLE -> PRE_BACKWARD (its outputs' first grad to its
-post-backward) -> IDLE. A forward not all of whose modules ran stays FORWARD until the end of
-backward. Both are module constants, compared by name.
+flat_full's storage holds memory while the unit is unsharded and none otherwise (the parameters
+viewing it, and the tensors autograd saved, stay valid and come back to life when it is refilled).
+Gradients go the other way (reduce.py). A parameter's two forms are in param.py.
 """
-import math
+from enum import StrEnum
 from typing import NamedTuple
 
 import torch
@@ -46,11 +22,36 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from . import comm
 from .comm import ledger, on_stream, profiled
+from .layout import Layout
 from .param import ParamShard, UnshardedParam, local_tensor, same_storage
-from .reduce import GradReduction
+from .reduce import GradReduction, ReduceKnobs
 
-SHARDED, GATHERING, UNSHARDED = "sharded", "gathering", "unsharded"  # where the parameters are: `state`
-IDLE, FORWARD, PRE_BACKWARD = "idle", "forward", "pre_backward"  # where the unit is in a step: `training_state`
+
+class ShardedState(StrEnum):
+    """Where a unit's parameters are (`state`)."""
+    SHARDED = "sharded"
+    """Each rank holds its shard in flat_shard; the modules hold the sharded DTensors."""
+    SHARDED_POST_FORWARD = "sharded_post_forward"
+    """Resharded after forward to a smaller group: this rank also keeps its piece over that group."""
+    GATHERING = "gathering"
+    """The all-gather is in flight; wait_unshard() copies its output into flat_full."""
+    UNSHARDED = "unsharded"
+    """flat_full holds the full parameters; the modules hold views into it."""
+
+
+class TrainingState(StrEnum):
+    """Where a unit is in a step (`training_state`). A forward not all of whose modules ran stays
+    FORWARD until the end of backward."""
+    IDLE = "idle"
+    """Between a forward and its backward, and between steps."""
+    FORWARD = "forward"
+    """From its pre-forward to its post-forward."""
+    PRE_BACKWARD = "pre_backward"
+    """From its outputs' first grad to its post-backward."""
+
+
+SHARDED, SHARDED_POST_FORWARD, GATHERING, UNSHARDED = ShardedState
+IDLE, FORWARD, PRE_BACKWARD = TrainingState
 
 
 class Gather(NamedTuple):
@@ -60,14 +61,6 @@ class Gather(NamedTuple):
     input: torch.Tensor
     copied_in: object  # offload: the copy-in stream's event after the shard's copy, else None
     in_group: bool  # from `_group_shard`, over the smaller group (rank-major over it)
-
-
-def typed_view(flat, start, numel, dtype):
-    """`numel` elements of `dtype` from element `start` of a flat buffer: flat's own elements, or,
-    for a parameter of another dtype in a byte buffer, its bytes viewed as that dtype."""
-    if flat.dtype == dtype:
-        return flat[start:start + numel]
-    return flat[start:start + numel * dtype.itemsize].view(dtype)
 
 
 def reshard_after_forward_flag(value, world):
@@ -103,12 +96,8 @@ class ShardedUnit:
         self.compute_device = (torch.device("cuda", torch.cuda.current_device())
                                if mesh.device_type == "cuda" else torch.device("cpu"))
         # knobs of the FSDPModule API
-        self.requires_grad_sync = True
+        self.knobs = ReduceKnobs()  # those of the reduction
         self.reshard_after_backward = True
-        self.requires_all_reduce = True
-        self.gradient_divide_factor = None  # None: average over the data-parallel ranks
-        self.sums_only = False  # set_force_sum_reduction_for_comms: SUM collectives, a division after
-        self.all_reduce_hook = None  # called on the reduced flat grads, in place
         self.is_last_backward = True  # the root's: False leaves the reductions in flight at the end of backward
         self.unshard_in_backward = True  # False: backward needs none of its parameters (an embedding's)
         self.forward_prefetch = None  # None: the next unit in forward order; [] switches it off
@@ -121,7 +110,7 @@ class ShardedUnit:
         self.needs_post_backward = False  # a forward with grad ran: its backward will bring grads
         self._gather = None  # Gather, while GATHERING
         self._group_shard = None  # after forward with post_forward_size: this rank's piece over that group
-        self.grads = GradReduction(self)  # the gradients' way to the sharded .grads
+        self.grads = None  # GradReduction, from lazy init: the gradients' way to the sharded .grads
         self._phase_range = None  # profiler range of this unit's forward or backward, while open
         self._shard()
         self._move_buffers()
@@ -170,28 +159,15 @@ class ShardedUnit:
                                           "say): sharding would lose its memory format; make it contiguous first")
             dim = self._shard_dim(p, regs[0][1])
             self.params.append(ParamShard(regs, p, self.world, self.rank, *self._sharded_placement(p, dim), dim))
-        self.on_other_dims = any(ps.dim for ps in self.params)  # some sharded on a dim other than 0
-        self._lay_out([p.dtype for p in found])
+        self.layout = Layout(self.params, self.world, self.post_forward_size)
         on_meta = any(p.is_meta for p in found)
         self.flat_shard = self._new_flat_shard(torch.device("meta") if on_meta else self.compute_device)
         for ps, p in zip(self.params, found):
+            local = self.layout.local_view(self.flat_shard, ps)
             if not on_meta:
-                self._local_view(ps).copy_(ps.chunk_of(local_tensor(p).detach()))
-            ps.sharded = nn.Parameter(ps.as_sharded(self._local_view(ps)), requires_grad=p.requires_grad)
+                local.copy_(ps.chunk_of(local_tensor(p).detach()))
+            ps.sharded = nn.Parameter(ps.as_sharded(local), requires_grad=p.requires_grad)
         self._register(unsharded=False)
-
-    def _lay_out(self, dtypes):
-        """Each parameter's place in flat_shard (`offset`, `slot`: in flat_shard's elements). One dtype:
-        its elements, back to back. Several (a frozen bf16 base beside fp32 adapters, as in LoRA):
-        bytes, each place starting 16-byte aligned, so that it views as its own dtype."""
-        self.mixed = mixed = len(set(dtypes)) > 1
-        self.dtype = torch.uint8 if mixed else dtypes[0] if dtypes else torch.float32
-        offset = 0
-        for ps, dtype in zip(self.params, dtypes):
-            ps.dtype, ps.offset = dtype, -(-offset // 16) * 16 if mixed else offset
-            ps.slot = ps.padded_numel * dtype.itemsize if mixed else ps.padded_numel
-            offset = ps.offset + ps.slot
-        self.shard_numel = offset
 
     def _shard_dim(self, param, name):
         """The dim shard_placement_fn asks for (Shard(dim) or None: 0), negative ones counted from the
@@ -245,14 +221,10 @@ class ShardedUnit:
                         sub._buffers[name] = buffer.to(self.compute_device)
 
     def _new_flat_shard(self, device):
-        if self.offload and device.type != "meta":
-            flat = torch.zeros(self.shard_numel, dtype=self.dtype, device="cpu")
-            return flat.pin_memory() if self.pin_memory else flat
-        return torch.zeros(self.shard_numel, dtype=self.dtype, device=device)
-
-    def _local_view(self, ps, flat=None):
-        flat = self.flat_shard if flat is None else flat
-        return typed_view(flat, ps.offset, ps.local_numel, ps.dtype).view(ps.local_shape)
+        """Where this rank's shards live: on the compute device, or in (pinned) CPU memory when offloaded."""
+        on_host = self.offload and device.type != "meta"
+        flat = torch.zeros(self.layout.shard_numel, dtype=self.layout.dtype, device="cpu" if on_host else device)
+        return flat.pin_memory() if on_host and self.pin_memory else flat
 
     def lazy_init(self, schedule, is_root):
         """Called once by the root before the first forward, on the final device."""
@@ -265,48 +237,21 @@ class ShardedUnit:
             raise RuntimeError(f"fully_shard: parameters of {self.name} are still on the meta device at the first "
                                "forward: materialize them first (to_empty() and an init, or load_state_dict(assign=True))")
         self._init_dtypes()
-        self.flat_full = torch.empty(self.world * self.gather_numel, dtype=self.gather_dtype,
+        self.flat_full = torch.empty(self.world * self.layout.gather_numel, dtype=self.layout.gather_dtype,
                                      device=self.compute_device)
-        for ps in self.params:
-            view = typed_view(self.flat_full, ps.gather_offset * self.world, math.prod(ps.shape), ps.gather_dtype)
-            ps.unsharded = UnshardedParam(view.view(ps.shape), ps)
-        # each parameter's padded full tensor as [W, its slot], and the alignment gaps of a byte buffer
-        # between them: where the copy out of the rank-major all-gather output puts its pieces
-        self._slots, self._full_slots, cursor = [], [], 0
-        self._cat_slots = []  # (index in _slots, parameter) of those sharded on dim > 0
-        for ps in self.params:
-            gap = ((cursor, ps.gather_offset - cursor),) if ps.gather_offset > cursor else ()
-            for start, size in gap + ((ps.gather_offset, ps.gather_slot),):
-                self._slots.append(size)
-                full = self.flat_full[start * self.world:(start + size) * self.world]
-                self._full_slots.append(full.view(self.world, -1))
-            if ps.dim:
-                self._cat_slots.append((len(self._slots) - 1, ps))
-            cursor = ps.gather_offset + ps.gather_slot
-        if self.post_forward_size:  # each of them cut in that many pieces: a rank keeps one after forward
-            self._group_slots = [slot * self.world // self.post_forward_size for slot in self._slots]
-            self._group_full_slots = [full.view(self.post_forward_size, -1) for full in self._full_slots]
+        for ps, view in zip(self.params, self.layout.views_of(self.flat_full)):
+            ps.unsharded = UnshardedParam(view, ps)
         self._full_bytes = self.flat_full.untyped_storage().nbytes()
         self.flat_full.untyped_storage().resize_(0)
         self._sync_requires_grad()
+        self.grads = GradReduction(self.name, self.params, self.shard_group, self.replicate_group, self.reduce_dtype,
+                                   self.grad_dtype, self.compute_device, self.knobs, schedule.pending,
+                                   self.offload, self.pin_memory)
 
     def _init_dtypes(self):
-        """The dtypes of the all-gather, of compute and of the reductions, as FSDP2 picks them.
-
-        Each parameter is gathered in param_dtype if it is floating point, else its own. One gather
-        dtype over a flat shard of several (LoRA's, with mixed precision): the gather packs their
-        casts into a buffer of its own (`repack`). Several: the gather moves flat_shard's bytes."""
-        for ps in self.params:
-            floating = self.mp.param_dtype is not None and ps.dtype.is_floating_point
-            ps.gather_dtype = self.mp.param_dtype if floating else ps.dtype
-        gather_dtypes = {ps.gather_dtype for ps in self.params}
-        self.repack = self.mixed and len(gather_dtypes) == 1
-        self.gather_dtype = gather_dtypes.pop() if len(gather_dtypes) == 1 else torch.uint8
-        self.gather_numel = 0
-        for ps in self.params:
-            ps.gather_offset, ps.gather_slot = ((self.gather_numel, ps.padded_numel) if self.repack
-                                                else (ps.offset, ps.slot))
-            self.gather_numel = ps.gather_offset + ps.gather_slot
+        """The dtypes of the all-gather (Layout.lay_out_gather), of compute and of the reductions, as
+        FSDP2 picks them."""
+        self.layout.lay_out_gather(self.mp.param_dtype)
         trainable = {ps.dtype for ps in self.params if ps.requires_grad}
         if len(trainable) > 1:  # (FSDP2's exception type: its unit-level gradient dtype is one)
             raise AssertionError(f"fully_shard({self.name}): parameters that require grad must share a dtype, "
@@ -322,10 +267,10 @@ class ShardedUnit:
             return
         if any(ps.sharded.is_meta for ps in self.params):
             return  # a load into a meta model under way: the hook of its last module adopts them all
-        self._lay_out([ps.sharded.dtype for ps in self.params])  # module.to(dtype) may change it
+        self.layout.lay_out_shard([ps.sharded.dtype for ps in self.params])  # module.to(dtype) may change it
         flat = self._new_flat_shard(self.params[0].sharded.device)
         for ps in self.params:
-            local = self._local_view(ps, flat)
+            local = self.layout.local_view(flat, ps)
             local.copy_(ps.sharded.to_local())
             fresh = nn.Parameter(ps.as_sharded(local), requires_grad=ps.sharded.requires_grad)
             torch.utils.swap_tensors(ps.sharded, fresh)  # keeps the object the optimizer holds
@@ -355,39 +300,31 @@ class ShardedUnit:
     # ---- all-gather ----------------------------------------------------------------------
     def unshard(self):
         """Issue the all-gather (asynchronous); wait_unshard() makes the parameters usable."""
-        if self.state != SHARDED:
+        if self.state not in (SHARDED, SHARDED_POST_FORWARD):
             return
         if not self.params:  # no parameters of its own (all in nested units): nothing to gather, as in FSDP2
             self.state = UNSHARDED
             return
-        copy_in = self.schedule.offload_streams[0] if self.offload else None
+        copy_in = self.grads.pending.offload_streams[0] if self.offload else None
         if copy_in is not None:
             # the memory it fills was last read by kernels queued on the compute stream
             copy_in.wait_stream(torch.cuda.current_stream())
-        # (no torch.no_grad(): nothing here requires grad, neither the flat shard nor flat_full, so
-        # nothing records a graph; the switch would cost host time twice per unit and step)
+        # (no torch.no_grad(): nothing here requires grad, and the switch costs host time per unit)
         with profiled(f"fsdp::all_gather {self.name}"), on_stream(copy_in):
-            shard, group = self.flat_shard, self.shard_group
-            if self._group_shard is not None:  # resharded to the smaller group after forward: gathered there
+            if self.state == SHARDED_POST_FORWARD:  # gathered over the smaller group it resharded to
                 shard, group, self._group_shard = self._group_shard, self.post_forward_group, None
-            elif self.repack:  # each parameter's shard cast into its place (the padding is never read)
-                shard = torch.empty(self.gather_numel, dtype=self.gather_dtype, device=self.compute_device)
-                torch._foreach_copy_([shard[ps.gather_offset:ps.gather_offset + ps.local_numel] for ps in self.params],
-                                     [ps.sharded._local_tensor.view(-1) for ps in self.params], non_blocking=True)
-            elif self.world > 1 and (shard.dtype != self.gather_dtype or shard.device != self.compute_device):
-                shard = shard.to(self.compute_device, self.gather_dtype, non_blocking=True)
+            else:
+                shard, group = self.layout.gather_input(self.flat_shard, self.compute_device), self.shard_group
             ledger.log("all_gather" if group is self.shard_group else "all_gather_in_smaller_group", self.name)
             if self.world == 1:
-                # one rank: the shard already has the full layout, so the "all-gather" copies
-                # (and casts) it straight into the unsharded parameters, with no copy-out
+                # one rank: the "all-gather" copies (and casts) the shard straight into flat_full
                 self._fill_flat_full()
                 output = self.flat_full
             else:
-                output = torch.empty(self.world * self.gather_numel, dtype=self.gather_dtype,
+                output = torch.empty(self.world * self.layout.gather_numel, dtype=self.layout.gather_dtype,
                                      device=self.compute_device)
-            # writing into the unsharded parameters bumps their version counter; autograd saved
-            # these same tensors in forward and must not see that as an in-place change (the
-            # copy-out below is guarded the same way)
+            # a write into the unsharded parameters bumps their version counter; autograd saved them
+            # in forward and must not see an in-place change (the copy-out is guarded the same way)
             with torch.autograd._unsafe_preserve_version_counter(self.flat_full):
                 work = comm.all_gather(output, shard, group)
             self._gather = Gather(work, output, shard, copy_in.record_event() if copy_in is not None else None,
@@ -395,7 +332,7 @@ class ShardedUnit:
         self.state = GATHERING
 
     def wait_unshard(self):
-        if self.state == SHARDED:
+        if self.state in (SHARDED, SHARDED_POST_FORWARD):
             self.unshard()
         if self.state == GATHERING:
             self._finish_gather()
@@ -408,26 +345,10 @@ class ShardedUnit:
                 torch.cuda.current_stream().wait_event(copied_in)
             self._gather = None
             ledger.log("all_gather_wait", self.name)
-            if in_group:  # rank-major over the group: each piece into its place
+            if output is not self.flat_full:  # (one rank gathers into flat_full itself)
                 self._fill_flat_full()
                 with torch.autograd._unsafe_preserve_version_counter(self.flat_full):
-                    torch.split_with_sizes_copy(output.view(self.post_forward_group.size(), -1), self._group_slots,
-                                                dim=1, out=self._group_full_slots)
-            elif output is not self.flat_full:  # copy out of the rank-major all-gather buffer
-                self._fill_flat_full()
-                # a parameter sharded on dim d > 0 arrives as its chunks, one per rank: into a temporary,
-                # then concatenated along d into its place
-                out = self._full_slots
-                if self._cat_slots:
-                    out = list(out)
-                    for i, _ in self._cat_slots:
-                        out[i] = torch.empty_like(out[i])
-                with torch.autograd._unsafe_preserve_version_counter(self.flat_full):
-                    torch.split_with_sizes_copy(output.view(self.world, self.gather_numel), self._slots,
-                                                dim=1, out=out)
-                    for i, ps in self._cat_slots:
-                        chunks = out[i].view(ps.gather_dtype).view(self.world, *ps.local_shape).unbind()
-                        torch.cat(chunks, dim=ps.dim, out=self._full_slots[i].view(ps.gather_dtype).view(ps.shape))
+                    self.layout.copy_out(output, in_group)
         self._register(unsharded=True)
         self.state = UNSHARDED
 
@@ -451,15 +372,27 @@ class ShardedUnit:
         the next all-gather gathers from; any other reshard drops it (FSDP2's states too)."""
         if self.state == GATHERING:
             self._finish_gather()
-        self._group_shard = (torch.cat([full[self.post_forward_rank] for full in self._group_full_slots])
+        self._group_shard = (self.layout.group_piece(self.post_forward_rank)
                              if to_group and self.state == UNSHARDED and self.params else None)
+        if self.state == SHARDED_POST_FORWARD:  # (its piece dropped above)
+            self.state = SHARDED
         if self.state != UNSHARDED:
             return
         self._sync_requires_grad()  # a freeze of the unsharded parameters outlives them
         self._register(unsharded=False)
         self.flat_full.untyped_storage().resize_(0)
         ledger.log("free", self.name)
-        self.state = SHARDED
+        self.state = SHARDED if self._group_shard is None else SHARDED_POST_FORWARD
+
+    def end_backward(self, last):
+        """The root's backward is over (the schedule's end-of-backward callback): idle again. With
+        `last` (no other backward of this step follows) the grads are complete first."""
+        if last:
+            self.grads.all_reduce_kept_sums()
+            self.grads.wait_copy_out()  # the optimizer reads offloaded grads on the CPU, next
+        self.training_state = IDLE
+        if self.state == GATHERING:  # a prefetch nothing used (reentrant checkpointing's recompute)
+            self.reshard()
 
     def reset(self):
         """Back to SHARDED and idle after an exception in forward or backward; collectives in
@@ -490,9 +423,9 @@ class ShardedUnit:
         # post-forward never comes (a grouped unit's head called alone by a chunked loss)
         self.needs_post_backward = self.needs_post_backward or grad_enabled
         self._sync_requires_grad()
-        self.schedule.record_pre_forward(self)
+        prefetch = self.schedule.forward_started(self)
         self.wait_unshard()
-        for unit in self.schedule.forward_prefetch(self):
+        for unit in prefetch:
             unit.unshard()
         ledger.log("forward", self.name)
         self._phase_range = comm.begin_range(f"fsdp::forward {self.name}")
@@ -522,7 +455,7 @@ class ShardedUnit:
             return
         ledger.log("forward_end", self.name)
         self._end_phase_range()
-        self.schedule.record_post_forward(self)
+        self.schedule.forward_ended(self)
         if self.reshard_after_forward:
             self.reshard(to_group=self.post_forward_size is not None)
         self.training_state = IDLE
@@ -535,10 +468,10 @@ class ShardedUnit:
         # (after this unit's post-backward: a unit called twice in forward, and this is the other call's backward)
         self.training_state = PRE_BACKWARD
         self.needs_post_backward = True  # also when an earlier backward through this graph took the grads
-        self.schedule.queue_end_of_backward()
+        prefetch = self.schedule.backward_started(self)
         if self.unshard_in_backward:
             self.wait_unshard()
-        for unit in self.schedule.backward_prefetch(self):
+        for unit in prefetch:
             if unit.unshard_in_backward:
                 unit.unshard()
         ledger.log("backward", self.name)
@@ -556,7 +489,7 @@ class ShardedUnit:
         end of backward reduces them, as FSDP2's."""
         if self.training_state == FORWARD and not end_of_backward:
             return
-        if not (self.needs_post_backward or (self.requires_grad_sync and self.grads.holds_unreduced)):
+        if not (self.needs_post_backward or (self.knobs.requires_grad_sync and self.grads.holds_unreduced)):
             return
         self.needs_post_backward = False
         ledger.log("backward_end", self.name)

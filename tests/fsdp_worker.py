@@ -527,7 +527,7 @@ def memory_checks(world, mesh1d):
         res["after_backward_all_sharded"].append(all(u.state == "sharded" for u in us))
         res["after_backward_flat_full_freed"].append(all(u.flat_full.untyped_storage().nbytes() == 0 for u in us))
         res["after_backward_nothing_in_flight"].append(
-            all(u._gather is None and u.grads.in_flight is None for u in us) and not model._fsdp_unit.schedule.pending_reductions)
+            all(u._gather is None and u.grads.in_flight is None for u in us) and not model._fsdp_unit.schedule.pending.reductions)
         res["after_backward_module_holds_dtensors"].append(all(isinstance(p, DTensor) for p in model.parameters()))
         opt.step()
         if step == 0:
@@ -536,10 +536,10 @@ def memory_checks(world, mesh1d):
         opt.zero_grad()
     res["flat_full_bytes_during_forward"] = during
     res["flat_full_bytes_after_forward"] = after
-    res["full_bytes_expected"] = {n: u.world * u.shard_numel * 4 for n, u in units.items()}
+    res["full_bytes_expected"] = {n: u.world * u.layout.shard_numel * 4 for n, u in units.items()}
     exp = expected_unit_numels(world)
     res["expected_units"] = exp
-    res["shard_numel"] = {n: u.shard_numel for n, u in units.items()}
+    res["shard_numel"] = {n: u.layout.shard_numel for n, u in units.items()}
     res["flat_shard_numel"] = {n: u.flat_shard.numel() for n, u in units.items()}
     param_bytes = sum(u.flat_shard.numel() * u.flat_shard.element_size() for u in units.values())
     state_bytes = sum(t.to_local().numel() * t.to_local().element_size()
@@ -554,7 +554,7 @@ def memory_checks(world, mesh1d):
     h0 = model.transformer.h[0]
     h0.unshard()
     u0 = h0._fsdp_unit
-    res["api_unshard_allocates"] = u0.flat_full.untyped_storage().nbytes() == u0.world * u0.shard_numel * 4
+    res["api_unshard_allocates"] = u0.flat_full.untyped_storage().nbytes() == u0.world * u0.layout.shard_numel * 4
     res["api_unshard_plain_params"] = all(not isinstance(p, DTensor) for p in h0.parameters())
     full_w = h0.attn.c_attn.weight.detach().clone()
     h0.reshard()
@@ -604,7 +604,7 @@ def collective_traces(rank, mesh1d):
     copies = ("aten::_chunk_cat", "aten::_foreach_copy_", "aten::split_with_sizes_copy")
     report = {}
     for unit in units_of(model):
-        shard_bytes, net, held = unit.shard_numel * 4, 0, None
+        shard_bytes, net, held = unit.layout.shard_numel * 4, 0, None
         for e in inside(f"fsdp::reduce_scatter {unit.name}", "[memory]"):
             net += e["args"]["Bytes"]
             if e["args"]["Bytes"] == shard_bytes:  # the output (its last allocation of that size)
@@ -641,7 +641,7 @@ def layout_checks(mesh1d):
                                              sum(fp.padded_sharded_param_size.numel() for fp in group.fsdp_params))
                 elif hasattr(m, "_fsdp_unit"):
                     u = m._fsdp_unit
-                    units[path or "root"] = ([names[id(ps.sharded)] for ps in u.params], u.shard_numel)
+                    units[path or "root"] = ([names[id(ps.sharded)] for ps in u.params], u.layout.shard_numel)
             rec[impl] = units
         out[model_name] = rec
     return out
@@ -688,7 +688,7 @@ def comm_checks(world, mesh1d, mesh2d):
         for step in range(steps):
             phases, events = step_with_ledger(model, opt, tag, step, micro, setup)
             rec.append({"phases": phases, "events": events})
-        out[tag] = {"steps": rec, "shard_numel": {u.name: u.shard_numel for u in units_of(model)},
+        out[tag] = {"steps": rec, "shard_numel": {u.name: u.layout.shard_numel for u in units_of(model)},
                     "shard_world": units_of(model)[0].world}
 
     run("zero3", lambda: build_gpt("ours", mesh1d))
