@@ -197,16 +197,20 @@ def table_lines(header, rows):
     return lines
 
 
-# (key, column name, digits): the default table's figures, each with its ratio to the first row's
+# (key, column name, digits): the backends table's figures, in the text output and in results' markdown
 MAIN_COLUMNS = (("step_ms", "step ms", 1), ("tokens_per_sec", "tokens/s", 0), ("peak_mem_mb", "peak MB", 0),
                 ("comm_mb", "comm MB/step", 1), ("exposed_comm_ms", "exposed comm ms", 1))
+
+
+def main_cells(row, first):
+    """A backend's figures (MAIN_COLUMNS), each with its ratio to the first row's."""
+    return [fmt(row[k], first[k], digits) for k, _, digits in MAIN_COLUMNS]
 
 
 def main_lines(table, paired):
     """The default output: the table, and the paired step ratios in one line (wrapped at WIDTH)."""
     first_name, first = next(iter(table.items()))
-    lines = table_lines([c[1] for c in MAIN_COLUMNS],
-                        {b: [fmt(row[k], first[k], d) for k, _, d in MAIN_COLUMNS] for b, row in table.items()})
+    lines = table_lines([c[1] for c in MAIN_COLUMNS], {b: main_cells(row, first) for b, row in table.items()})
     if paired:
         lines += wrap(f"step time vs {first_name}, each repeat's run beside it: "
                       + ", ".join(f"{b} {ratio_range(r)}" for b, r in paired.items()))
@@ -342,12 +346,10 @@ def markdown_table(header, rows, align):
 def render_backends(result):
     table, paired = result["backends"], result.get("step_ratio_per_repeat", {})
     first_name, first = next(iter(table.items()))
-    rows = [[f"`{b}`", fmt(row["step_ms"], first["step_ms"]), fmt(row["tokens_per_sec"], first["tokens_per_sec"], 0),
-             fmt(row["peak_mem_mb"], first["peak_mem_mb"], 0), fmt(row["comm_mb"]), fmt(row["exposed_comm_ms"]),
-             ratio_range(paired[b]) if b in paired else "-"] for b, row in table.items()]
-    header = ["backend", "step ms", "tokens/s", "peak MB", "comm MB/step", "exposed comm ms",
-              f"step vs {first_name}, paired: median (range)"]
-    return markdown_table(header, rows, "lrrrrrr")
+    rows = [[f"`{b}`", *main_cells(row, first), ratio_range(paired[b]) if b in paired else "-"]
+            for b, row in table.items()]
+    header = ["backend", *(c[1] for c in MAIN_COLUMNS), f"step vs {first_name}, paired: median (range)"]
+    return markdown_table(header, rows, "l" + "r" * (len(MAIN_COLUMNS) + 1))
 
 
 def render_sweep(result):

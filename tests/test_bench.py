@@ -440,10 +440,14 @@ def test_render_writes_each_results_file_as_a_markdown_table(tmp_path):
     assert header == ("| backend | step ms | tokens/s | peak MB | comm MB/step | exposed comm ms "
                       "| step vs ddp, paired: median (range) |")
     assert rule == "| --- | --: | --: | --: | --: | --: | --: |"
-    assert ddp == "| `ddp` | 30.0 (1.00x) | 3,333 (1.00x) | 9,000 (1.00x) | 12.0 | 4.0 | - |"
-    assert fsdp == "| `fsdp` | 39.0 (1.30x) | 2,564 (0.77x) | 8,100 (0.90x) | 24.0 | 6.0 | 1.31x (1.28x-1.35x) |"
-    assert ours == ("| `custom_fsdp:prefetch=False` | 28.5 (0.95x) | 3,509 (1.05x) | 7,200 (0.80x) | 24.0 | - "
+    assert ddp == "| `ddp` | 30.0 (1.00x) | 3,333 (1.00x) | 9,000 (1.00x) | 12.0 (1.00x) | 4.0 (1.00x) | - |"
+    assert fsdp == ("| `fsdp` | 39.0 (1.30x) | 2,564 (0.77x) | 8,100 (0.90x) | 24.0 (2.00x) | 6.0 (1.50x) "
+                    "| 1.31x (1.28x-1.35x) |")
+    assert ours == ("| `custom_fsdp:prefetch=False` | 28.5 (0.95x) | 3,509 (1.05x) | 7,200 (0.80x) | 24.0 (2.00x) | - "
                     "| 0.99x (0.95x-1.05x) |")
+    # the text output's cells come from the same columns
+    table = json.loads((tmp_path / "results" / "h100-gpt2.json").read_text())["backends"]
+    assert [c.strip() for c in bench.main_lines(table, {})[2].split(" | ")[1:]] == fsdp.strip("| ").split(" | ")[1:-1]
     assert md[sweep_at + 2].startswith("cpu: X (2 cores); torch 2.13.0;")
     assert md[sweep_at + 4:sweep_at + 9] == [
         "| backend | W | params+grads+optim MB | peak MB | step ms |", "| --- | --: | --: | --: | --: |",
