@@ -8,9 +8,10 @@ load_state_dict(assign=True), layer drop in a grouped unit, ...).
 For each flow an fsdp_impl model and a reference are built from the same seed (every block
 sharded, then the root), fed identical rank-dependent data for a few AdamW steps, and compared on
 the final full parameters and the last step's full gradients. The reference is FSDP2, or, in the
-flows where FSDP2 itself goes wrong, the plain model with its grads averaged over the ranks. Rank 0 writes OUT.json; a flow that
-raises records the traceback, so one broken flow does not hide the others. tests/test_flows.py
-asserts on the report.
+flows where FSDP2 itself goes wrong (@flow(fsdp2_differs=...) says how), the plain model with its
+grads averaged over the ranks. Rank 0 writes OUT.json; a flow that raises records the traceback,
+so one broken flow does not hide the others. tests/test_flows.py asserts on the report: a test per
+flow, and one per check (the functions main() runs after the flows).
 """
 import copy
 import faulthandler
@@ -214,6 +215,22 @@ def train(model, fwd_bwd=plain_step):
 
 
 # ---- flows ------------------------------------------------------------------------------------
+FLOWS = []  # in the order they run; tests/test_flows.py tests each by its name
+
+
+def flow(run=None, *, fsdp2_differs=None, tolerance=0.0):
+    """Registers run(impl, mesh), which returns train()'s result, as a flow: main() trains it under
+    ours and under the reference and compares the two. The reference is FSDP2, or the plain model
+    where fsdp2_differs says how FSDP2 computes something else than plain PyTorch. tolerance: how far
+    ours may be from the reference where the two sum in other orders by design (0: bitwise)."""
+    def register(run):
+        run.reference, run.tolerance = "plain" if fsdp2_differs else "fsdp2", tolerance
+        FLOWS.append(run)
+        return run
+    return register(run) if run else register
+
+
+@flow
 def retain_graph(impl, mesh):
     def fwd_bwd(model, s):
         loss = model(data(s))
@@ -223,6 +240,7 @@ def retain_graph(impl, mesh):
     return train(build(impl, mesh), fwd_bwd)
 
 
+@flow
 def autograd_grad_then_backward(impl, mesh):
     def fwd_bwd(model, s):  # as an input-gradient penalty or a saliency map does
         x = data(s).requires_grad_()
@@ -232,6 +250,7 @@ def autograd_grad_then_backward(impl, mesh):
     return train(build(impl, mesh), fwd_bwd)
 
 
+@flow
 def partial_no_grad_forward_before_step(impl, mesh, explicit_prefetch=False):
     def fwd_bwd(model, s):
         model(data(s)).backward()
@@ -244,15 +263,17 @@ def partial_no_grad_forward_before_step(impl, mesh, explicit_prefetch=False):
     return train(model, fwd_bwd)
 
 
+@flow(fsdp2_differs="hands the next forward the all-gather the probe issued, from before the optimizer step")
 def partial_no_grad_forward_before_step_explicit_prefetch(impl, mesh):
-    # FSDP2 hands the next forward the all-gather the probe issued, from before the optimizer step
     return partial_no_grad_forward_before_step(impl, mesh, explicit_prefetch=True)
 
 
+@flow
 def reentrant_checkpoint(impl, mesh):
     return train(build(impl, mesh, reentrant=True))
 
 
+@flow
 def requires_grad_toggle(impl, mesh):
     def fwd_bwd(model, s):
         if s == 1:  # freeze a trained parameter, unfreeze one frozen before fully_shard
@@ -262,6 +283,7 @@ def requires_grad_toggle(impl, mesh):
     return train(build(impl, mesh, frozen=["blocks.1.a.weight"]), fwd_bwd)
 
 
+@flow
 def load_state_dict_assign(impl, mesh, meta=False):
     donor = build(impl, mesh, seed=1)  # other values, sharded the same way
     state = {k: v.detach().clone() for k, v in donor.state_dict().items()}  # DTensors
@@ -270,10 +292,12 @@ def load_state_dict_assign(impl, mesh, meta=False):
     return train(model)  # the optimizer is made after the load
 
 
+@flow
 def load_state_dict_assign_meta(impl, mesh):
     return load_state_dict_assign(impl, mesh, meta=True)
 
 
+@flow
 def load_state_dict_assign_into_a_submodule(impl, mesh, after_a_step=False):
     """blocks.0.a (inside the unit of blocks.0) takes another model's sharded values with
     load_state_dict(assign=True): its hooks, not only the unit's, must adopt them."""
@@ -287,10 +311,12 @@ def load_state_dict_assign_into_a_submodule(impl, mesh, after_a_step=False):
     return train(model)
 
 
+@flow
 def load_state_dict_assign_into_a_submodule_after_a_step(impl, mesh):
     return load_state_dict_assign_into_a_submodule(impl, mesh, after_a_step=True)
 
 
+@flow
 def parameter_assigned_before_the_first_forward(impl, mesh):
     """model.blocks[0].a.weight = another model's sharded parameter: the first forward adopts it."""
     donor = build(impl, mesh, seed=1)
@@ -299,6 +325,7 @@ def parameter_assigned_before_the_first_forward(impl, mesh):
     return train(model)
 
 
+@flow
 def own_messages_inside_a_forward(impl, mesh):
     """blocks.1's forward sends rank 1 a message of its own (tag 1) while the all-gather of blocks.2
     is in flight: the user's messages and the unit's collectives must not take each other's bytes."""
@@ -311,6 +338,7 @@ def own_messages_inside_a_forward(impl, mesh):
     return train(build(impl, mesh, before_sharding=lambda m: m.blocks[1].register_forward_pre_hook(exchange)))
 
 
+@flow
 def grouped_unit_last_module_skipped(impl, mesh):
     def fwd_bwd(model, s):
         model.skip = (2,) if s == 1 else ()  # the unit [blocks.1, blocks.2] ends without its last module
@@ -318,6 +346,7 @@ def grouped_unit_last_module_skipped(impl, mesh):
     return train(build(impl, mesh, grouped=True), fwd_bwd)
 
 
+@flow
 def grouped_unit_listed_out_of_order(impl, mesh):
     """fully_shard([blocks.2, blocks.1]): the unit's forward ends once both modules ran, not at the
     last one listed (which runs first), so it is gathered once and reduced once per micro-step; with
@@ -336,6 +365,7 @@ def grouped_unit_listed_out_of_order(impl, mesh):
     return train(build(impl, mesh, grouped="reversed"), fwd_bwd)
 
 
+@flow
 def dataclass_output(impl, mesh):
     return train(build(impl, mesh, dataclass_output=True))
 
@@ -361,22 +391,22 @@ def fail_halfway_through_backward(model, x):
     model.zero_grad(set_to_none=True)
 
 
+@flow(fsdp2_differs="adds the failed step's head grads to the next step's: its root keeps the unsharded "
+                     "grads it accumulated before the failure, which zero_grad() does not reach")
 def reset_after_exception_in_backward(impl, mesh):
     def fwd_bwd(model, s):
         if s > 0:
             return plain_step(model, s)
         fail_halfway_through_backward(model, data(s))
-    # FSDP2 keeps the unsharded grads its root (the head) accumulated before the failure and adds
-    # them to the next step's (zero_grad() does not reach them): the reference is the plain model
     return train(build(impl, mesh), fwd_bwd)
 
 
+@flow(fsdp2_differs="keeps its root's unsharded grads across the reset, as above")
 def hsdp_reset_after_exception_with_kept_sums(impl, mesh):
     """HSDP (2 replicas of 1 shard): a micro-step with the all-reduce off keeps each unit's
     replica-local sums; the next, with it on, raises halfway through backward (blocks.0 and the root
     still hold their kept sums). reset_iter_state() drops them with the failed step's grads: the
-    next steps train on their own grads only. The reference is the plain model (FSDP2 keeps its
-    root's unsharded grads across the reset, as above)."""
+    next steps train on their own grads only."""
     if impl == "ours":
         mesh = init_device_mesh("cpu", (dist.get_world_size(), 1), mesh_dim_names=("replicate", "shard"))
 
@@ -390,6 +420,7 @@ def hsdp_reset_after_exception_with_kept_sums(impl, mesh):
     return train(build(impl, mesh), fwd_bwd)
 
 
+@flow
 def unit_skipped_in_the_sync_micro_step(impl, mesh):
     def fwd_bwd(model, s):
         for micro in range(2):  # sync off, then on; blocks.2 runs in the first only (layer drop)
@@ -399,6 +430,7 @@ def unit_skipped_in_the_sync_micro_step(impl, mesh):
     return train(build(impl, mesh), fwd_bwd)
 
 
+@flow
 def optimizer_step_in_backward(impl, mesh):
     """PyTorch's optimizer-in-backward pattern, for a parameter outside FSDP: a gate inside blocks.0
     (on blocks.0.a's output), stepped by its own optimizer as soon as its gradient is complete (lr 0:
@@ -415,16 +447,26 @@ def optimizer_step_in_backward(impl, mesh):
     return train(model)
 
 
+# In a backward that recomputes a block twice, the plain model adds the block's gradients from the
+# two recomputations before averaging over the ranks; ours reduces each recomputation's gradients as
+# it finishes and adds the averages: the same sum in another order, so equal to rounding.
+TWO_RECOMPUTATIONS_TOLERANCE = 1e-6
+LOSES_A_RECOMPUTATIONS_SHARE = "is off by about 1: it loses one recomputation's share of the grads"
+
+
+@flow(fsdp2_differs=LOSES_A_RECOMPUTATIONS_SHARE, tolerance=TWO_RECOMPUTATIONS_TOLERANCE)
 def reentrant_checkpoint_two_forwards(impl, mesh):
     def fwd_bwd(model, s):  # each block's recomputation runs once per forward, inside one backward
         (model(data(s)) + model(data(s, k=1))).backward()
     return train(build(impl, mesh, reentrant=True), fwd_bwd)
 
 
+@flow
 def mixed_precision_dataclass_io(impl, mesh):
     return train(build(impl, mesh, bf16=True, dataclass_input=True, dataclass_output=True))
 
 
+@flow
 def bf16_first_grad_in_the_sync_micro_step(impl, mesh):
     """Under bf16 a unit keeps float32 sums for the parameters that got grads with sync off; one
     whose first grad comes with sync on brings it in bf16 (blocks.2, skipped in the first micro-step,
@@ -439,12 +481,14 @@ def bf16_first_grad_in_the_sync_micro_step(impl, mesh):
     return train(build(impl, mesh, bf16=True, grouped=True), fwd_bwd)
 
 
+FAILS_ON_KEPT_SUMS = "fails on the shapes or drops the kept sums"
+
+
 def hsdp_all_reduce_off(impl, mesh, skips):
     """HSDP (2 replicas of 1 shard), the all-reduce off in the first micro-step and on in the
     second, skipping the blocks in skips[micro] (blocks.1 and blocks.2 are one unit): the replica-
     local sums kept from the first cover other parameters than the second's, or the second does not
-    run the unit at all. FSDP2 fails on the shapes or drops the kept sums; the reference is the
-    plain model."""
+    run the unit at all."""
     if impl == "ours":
         mesh = init_device_mesh("cpu", (dist.get_world_size(), 1), mesh_dim_names=("replicate", "shard"))
 
@@ -456,22 +500,27 @@ def hsdp_all_reduce_off(impl, mesh, skips):
     return train(build(impl, mesh, grouped=True), fwd_bwd)
 
 
+@flow(fsdp2_differs=FAILS_ON_KEPT_SUMS)
 def hsdp_kept_sums_lack_the_units_last_module(impl, mesh):
     return hsdp_all_reduce_off(impl, mesh, skips=((2,), ()))
 
 
+@flow(fsdp2_differs=FAILS_ON_KEPT_SUMS)
 def hsdp_kept_sums_lack_the_units_first_module(impl, mesh):
     return hsdp_all_reduce_off(impl, mesh, skips=((1,), ()))
 
 
+@flow(fsdp2_differs=FAILS_ON_KEPT_SUMS)
 def hsdp_all_reduce_micro_step_skips_a_module(impl, mesh):
     return hsdp_all_reduce_off(impl, mesh, skips=((), (1,)))
 
 
+@flow(fsdp2_differs=FAILS_ON_KEPT_SUMS)
 def hsdp_all_reduce_micro_step_skips_the_unit(impl, mesh):
     return hsdp_all_reduce_off(impl, mesh, skips=((), (1, 2)))
 
 
+@flow
 def hsdp_gradient_sync_switches_the_all_reduce_on(impl, mesh):
     """HSDP, the all-reduce off in the first micro-step; set_requires_gradient_sync(True) in the
     second switches it on again (FSDP2's does both), so the kept sums are averaged too. Against
@@ -488,11 +537,11 @@ def hsdp_gradient_sync_switches_the_all_reduce_on(impl, mesh):
     return train(build(impl, mesh), fwd_bwd)
 
 
+@flow(fsdp2_differs="unfreezes inp.weight at the root's next gather and trains it in the last step")
 def requires_grad_changed_while_gathered(impl, mesh):
     """After a no_grad forward the root stays gathered (reshard_after_forward is False for it):
     inp.weight is frozen through the module then (the unsharded parameter is registered), out.weight
-    through the object the optimizer holds. Both stay frozen in the steps after. (FSDP2 unfreezes
-    inp.weight at the root's next gather and trains it in the last step: the reference is plain.)"""
+    through the object the optimizer holds. Both stay frozen in the steps after."""
     def fwd_bwd(model, s):
         if s == 1:
             held = model.out.weight
@@ -504,18 +553,22 @@ def requires_grad_changed_while_gathered(impl, mesh):
     return train(build(impl, mesh), fwd_bwd)
 
 
+@flow
 def reused_layer_outside_then_checkpointed(impl, mesh):
     return train(build(impl, mesh, reuse="outside_then_checkpointed"))
 
 
+@flow
 def reused_layer_checkpointed_then_outside(impl, mesh):
     return train(build(impl, mesh, reuse="checkpointed_then_outside"))
 
 
+@flow
 def reused_layer_checkpointed_twice(impl, mesh):
     return train(build(impl, mesh, reuse="checkpointed_twice"))
 
 
+@flow
 def reused_layer_retain_graph(impl, mesh):
     def fwd_bwd(model, s):  # the second pass over the graph brings its grads in two passes again
         loss = model(data(s))
@@ -524,17 +577,22 @@ def reused_layer_retain_graph(impl, mesh):
     return train(build(impl, mesh, reuse="checkpointed_then_outside"), fwd_bwd)
 
 
+@flow(fsdp2_differs=LOSES_A_RECOMPUTATIONS_SHARE, tolerance=TWO_RECOMPUTATIONS_TOLERANCE)
 def reused_layer_whole_block_checkpointed_two_forwards(impl, mesh):
     def fwd_bwd(model, s):  # the blocks' second recomputations run after their post-backward
         (model(data(s)) + model(data(s, k=1))).backward()
     return train(build(impl, mesh, reentrant=True, reuse="outside_then_checkpointed"), fwd_bwd)
 
 
+@flow
 def unit_called_twice_per_forward(impl, mesh):
     # each call's backward reduces its unit (the first call's in a gather made again), as FSDP2 does
     model = build(impl, mesh)
     model.twice = (1,)
     return train(model)
+
+
+FAILS_INITIALIZING_UNDER_INFERENCE_MODE = "fails in its lazy initialization under inference_mode"
 
 
 def inference_mode_forward(impl, mesh, first_step_too):
@@ -546,15 +604,18 @@ def inference_mode_forward(impl, mesh, first_step_too):
     return train(build(impl, mesh), fwd_bwd)
 
 
+@flow
 def inference_mode_forward_between_steps(impl, mesh):
     return inference_mode_forward(impl, mesh, first_step_too=False)
 
 
+@flow(fsdp2_differs=FAILS_INITIALIZING_UNDER_INFERENCE_MODE)
 def inference_mode_first_forward(impl, mesh):
-    # the model's first forward (its lazy initialization) under inference_mode: FSDP2 fails there
+    # the model's first forward (its lazy initialization) under inference_mode
     return inference_mode_forward(impl, mesh, first_step_too=True)
 
 
+@flow
 def dtype_changed_after_fully_shard(impl, mesh):
     model = build(impl, mesh).double()  # before the first forward: the model trains in float64
 
@@ -563,6 +624,7 @@ def dtype_changed_after_fully_shard(impl, mesh):
     return train(model, fwd_bwd)
 
 
+@flow
 def unshard_before_each_forward(impl, mesh, inference_mode=False):
     def fwd_bwd(model, s):  # a hand prefetch of the first block, from the very first step on
         if impl != "plain":
@@ -573,23 +635,20 @@ def unshard_before_each_forward(impl, mesh, inference_mode=False):
     return train(build(impl, mesh), fwd_bwd)
 
 
+@flow(fsdp2_differs=FAILS_INITIALIZING_UNDER_INFERENCE_MODE)
 def unshard_under_inference_mode_before_each_forward(impl, mesh):
-    # the model's lazy initialization then runs under inference_mode: FSDP2 fails there
+    # the model's lazy initialization then runs under inference_mode
     return unshard_before_each_forward(impl, mesh, inference_mode=True)
 
 
-HSDP_FLOWS = [hsdp_gradient_sync_switches_the_all_reduce_on,
-              hsdp_kept_sums_lack_the_units_last_module, hsdp_kept_sums_lack_the_units_first_module,
-              hsdp_all_reduce_micro_step_skips_a_module, hsdp_all_reduce_micro_step_skips_the_unit,
-              hsdp_reset_after_exception_with_kept_sums]
-
-
+@flow
 def forward_pre_hook_registered_before_fully_shard(impl, mesh):
     def penalize(model):  # a hook that reads the weights: it must see them gathered
         model.blocks[0].register_forward_pre_hook(lambda module, args: (args[0] + 0.01 * module.a.weight.sum(),))
     return train(build(impl, mesh, before_sharding=penalize))
 
 
+@flow
 def chunked_loss_calls_a_grouped_units_head_alone(impl, mesh):
     """fully_shard([blocks.2, out]): the forward stops before `out`, and the loss calls `out` alone on
     each of two chunks of the hidden state (a chunked loss), so the unit's modules run separately."""
@@ -602,6 +661,7 @@ def chunked_loss_calls_a_grouped_units_head_alone(impl, mesh):
     return train(model, fwd_bwd)
 
 
+@flow
 def chunked_loss_with_the_units_other_module_skipped(impl, mesh):
     """As chunked_loss_calls_a_grouped_units_head_alone, with blocks.2 left out of the forward (layer
     drop): the unit's only module to run is `out`, called alone after the model's forward. (blocks.2
@@ -616,6 +676,7 @@ def chunked_loss_with_the_units_other_module_skipped(impl, mesh):
     return train(model, fwd_bwd)
 
 
+@flow
 def grouped_units_member_run_alone_first(impl, mesh):
     """fully_shard([blocks.2, out]): each step first runs `out` alone on the input (a probe that
     trains too), then the whole model."""
@@ -626,6 +687,7 @@ def grouped_units_member_run_alone_first(impl, mesh):
     return train(model, fwd_bwd)
 
 
+@flow
 def meta_init_with_a_unit_empty_on_a_rank(impl, mesh):
     """`out` (a 1-row weight, a 1-element bias) as a unit of its own, on the meta device: at 2 ranks
     rank 1 holds none of it. to_empty(), a load of another model's values, then training."""
@@ -637,6 +699,7 @@ def meta_init_with_a_unit_empty_on_a_rank(impl, mesh):
     return train(model)
 
 
+@flow
 def optimizer_in_backward_on_sharded_params(impl, mesh):
     """Each parameter stepped by an optimizer of its own from its post-accumulate-grad hook, as soon
     as its (sharded) gradient is complete: PyTorch's optimizer-in-backward pattern under FSDP."""
@@ -652,6 +715,7 @@ def optimizer_in_backward_on_sharded_params(impl, mesh):
     return grads, final, all(not torch.equal(initial[n], final[n]) for n in final)
 
 
+@flow
 def cpu_offload_policy_on_a_cpu_mesh(impl, mesh):
     """CPUOffloadPolicy on a CPU mesh: the shards already live in CPU memory, so training is as without it."""
     return train(build(impl, mesh, offload=True))
@@ -661,6 +725,7 @@ def every_fsdp_module(model):
     return [*model.blocks, model]
 
 
+@flow
 def gradient_divide_factor_with_sum_reductions(impl, mesh):
     """set_gradient_divide_factor(4) with set_force_sum_reduction_for_comms(True) on every sharded
     module (gloo has no PREMUL_SUM): the grads summed over the ranks, then divided by 4."""
@@ -671,6 +736,7 @@ def gradient_divide_factor_with_sum_reductions(impl, mesh):
     return train(model)
 
 
+@flow
 def sum_reductions_only(impl, mesh):
     """set_force_sum_reduction_for_comms(True) alone: SUM collectives, then a division by W."""
     model = build(impl, mesh)
@@ -679,6 +745,7 @@ def sum_reductions_only(impl, mesh):
     return train(model)
 
 
+@flow
 def gradient_divide_factor_on_the_root_only(impl, mesh):
     """The factor set on the root module only: FSDP2's setter is not recursive, so the blocks
     still average."""
@@ -688,6 +755,7 @@ def gradient_divide_factor_on_the_root_only(impl, mesh):
     return train(model)
 
 
+@flow
 def forward_method_registered(impl, mesh):
     """register_fsdp_forward_method(blocks.1, "project"): each step's loss adds the block's project()
     of other data, which gathers the block's parameters as its forward does."""
@@ -700,6 +768,7 @@ def forward_method_registered(impl, mesh):
     return train(model, fwd_bwd)
 
 
+@flow
 def all_reduce_hook_halves_the_grads(impl, mesh):
     """set_all_reduce_hook on every sharded module: a hook that halves the reduced flat grads in
     place (where a user would add a reduction of their own)."""
@@ -709,6 +778,7 @@ def all_reduce_hook_halves_the_grads(impl, mesh):
     return train(model)
 
 
+@flow
 def two_backwards_per_step_the_first_not_last(impl, mesh):
     """Two backwards per step, the first after set_is_last_backward(False) (as a pipeline schedule's
     microbatches): the second completes both one's reductions."""
@@ -722,6 +792,7 @@ def two_backwards_per_step_the_first_not_last(impl, mesh):
     return train(build(impl, mesh), fwd_bwd)
 
 
+@flow
 def input_layer_not_gathered_for_backward(impl, mesh):
     """`inp` as a unit of its own with set_unshard_in_backward(False): its backward needs only its
     input and its output's grad, not its weight, so it is not gathered again (FSDP2's); and
@@ -733,12 +804,14 @@ def input_layer_not_gathered_for_backward(impl, mesh):
     return train(model)
 
 
+@flow
 def float16_reduction(impl, mesh):
     """MixedPrecisionPolicy(reduce_dtype=float16) on the root (float32 parameters): the grads
     reduced in float16, divided before and after the sum against overflow, as FSDP2 divides them."""
     return train(build(impl, mesh, root_kw=lambda impl, model: {"mp_policy": BF16[impl](reduce_dtype=torch.float16)}))
 
 
+@flow
 def bf16_without_casting_forward_inputs(impl, mesh):
     """bf16 parameters everywhere, the root's MixedPrecisionPolicy with cast_forward_inputs=False:
     the root takes its input as given (bf16 here), the blocks still cast theirs."""
@@ -763,12 +836,14 @@ def root_input_dtype_seen(impl, mesh):
     return seen
 
 
+@flow
 def ignored_parameter_stays_local(impl, mesh):
     """fully_shard(model, ignored_params={out.bias}): that bias stays a plain parameter of this rank's,
     trained on this rank's grads alone (rank 0's is compared)."""
     return train(build(impl, mesh, root_kw=lambda impl, model: {"ignored_params": {model.out.bias}}))
 
 
+@flow
 def shard_placement_fn_dim_0(impl, mesh):
     """shard_placement_fn asking Shard(0) for the matrices and None (the default) for the rest: the
     same sharding as without it."""
@@ -782,12 +857,14 @@ def frozen_bf16_base(model):
         block.a.to(torch.bfloat16).requires_grad_(False)
 
 
+@flow
 def lora_frozen_bf16_base(impl, mesh):
     """Each unit holds bf16 and float32 parameters (only the float32 ones train), no mixed precision:
     FSDP2 all-gathers their bytes."""
     return train(build(impl, mesh, before_sharding=frozen_bf16_base))
 
 
+@flow
 def lora_frozen_bf16_base_under_bf16(impl, mesh):
     """The same units under param_dtype bf16, reduce_dtype float32: one bf16 all-gather of both."""
     return train(build(impl, mesh, bf16=True, before_sharding=frozen_bf16_base))
@@ -796,64 +873,32 @@ def lora_frozen_bf16_base_under_bf16(impl, mesh):
 SHARD_MATRICES_ON_DIM_1 = {"shard_placement_fn": lambda p: Shard(1) if p.dim() == 2 else None}
 
 
+@flow
 def shard_placement_fn_dim_1(impl, mesh):
     """Every unit's matrices sharded on dim 1 (D = 8 columns, 4 per rank; out.weight's single row
     too), the vectors on dim 0: each gather concatenates a matrix's chunks along dim 1."""
     return train(build(impl, mesh, unit_kw=SHARD_MATRICES_ON_DIM_1))
 
 
+@flow
 def shard_placement_fn_dim_1_under_bf16(impl, mesh):
     """The same under param_dtype bf16, reduce_dtype float32, asked as Shard(-1) (dim 1 of a matrix)."""
     last_dim = {"shard_placement_fn": lambda p: Shard(-1) if p.dim() == 2 else None}
     return train(build(impl, mesh, bf16=True, unit_kw=last_dim))
 
 
+@flow
 def shard_placement_fn_dim_1_lora_frozen_bf16_base(impl, mesh):
     """Dim 1 in units of bf16 and float32 parameters (LoRA's): the chunks arrive in a byte all-gather."""
     return train(build(impl, mesh, before_sharding=frozen_bf16_base, unit_kw=SHARD_MATRICES_ON_DIM_1))
 
 
+@flow
 def hsdp_shard_placement_fn_dim_1(impl, mesh):
     """HSDP (2 replicas of 1 shard) with the matrices on dim 1: one chunk, the whole matrix."""
     if impl != "plain":
         mesh = init_device_mesh("cpu", (dist.get_world_size(), 1), mesh_dim_names=("replicate", "shard"))
     return train(build(impl, mesh, unit_kw=SHARD_MATRICES_ON_DIM_1))
-
-
-FLOWS = [retain_graph, autograd_grad_then_backward, partial_no_grad_forward_before_step,
-         partial_no_grad_forward_before_step_explicit_prefetch, reentrant_checkpoint, requires_grad_toggle,
-         load_state_dict_assign, load_state_dict_assign_meta, grouped_unit_last_module_skipped,
-         grouped_unit_listed_out_of_order, dataclass_output, reset_after_exception_in_backward, unit_skipped_in_the_sync_micro_step,
-         optimizer_step_in_backward, reentrant_checkpoint_two_forwards, mixed_precision_dataclass_io,
-         forward_pre_hook_registered_before_fully_shard, bf16_first_grad_in_the_sync_micro_step,
-         *HSDP_FLOWS,
-         reused_layer_outside_then_checkpointed, reused_layer_checkpointed_then_outside,
-         reused_layer_checkpointed_twice, inference_mode_forward_between_steps, inference_mode_first_forward,
-         dtype_changed_after_fully_shard, unshard_before_each_forward,
-         unshard_under_inference_mode_before_each_forward, reused_layer_retain_graph,
-         reused_layer_whole_block_checkpointed_two_forwards, unit_called_twice_per_forward,
-         requires_grad_changed_while_gathered, load_state_dict_assign_into_a_submodule,
-         load_state_dict_assign_into_a_submodule_after_a_step, parameter_assigned_before_the_first_forward,
-         own_messages_inside_a_forward, meta_init_with_a_unit_empty_on_a_rank,
-         optimizer_in_backward_on_sharded_params, cpu_offload_policy_on_a_cpu_mesh,
-         chunked_loss_calls_a_grouped_units_head_alone, chunked_loss_with_the_units_other_module_skipped,
-         grouped_units_member_run_alone_first, gradient_divide_factor_with_sum_reductions, sum_reductions_only,
-         gradient_divide_factor_on_the_root_only, forward_method_registered, all_reduce_hook_halves_the_grads,
-         two_backwards_per_step_the_first_not_last, input_layer_not_gathered_for_backward, float16_reduction,
-         ignored_parameter_stays_local, shard_placement_fn_dim_0, bf16_without_casting_forward_inputs,
-         lora_frozen_bf16_base, lora_frozen_bf16_base_under_bf16, shard_placement_fn_dim_1,
-         shard_placement_fn_dim_1_under_bf16, shard_placement_fn_dim_1_lora_frozen_bf16_base,
-         hsdp_shard_placement_fn_dim_1]
-REFERENCE = {flow: "fsdp2" for flow in FLOWS} | {
-    partial_no_grad_forward_before_step_explicit_prefetch: "plain", reset_after_exception_in_backward: "plain",
-    reentrant_checkpoint_two_forwards: "plain", inference_mode_first_forward: "plain",
-    unshard_under_inference_mode_before_each_forward: "plain",
-    reused_layer_whole_block_checkpointed_two_forwards: "plain", requires_grad_changed_while_gathered: "plain"} | {
-    flow: "plain" for flow in HSDP_FLOWS if flow is not hsdp_gradient_sync_switches_the_all_reduce_on}
-# The plain model adds a block's gradients from the two recomputations before averaging over the
-# ranks; we reduce each recomputation's gradients as it finishes and add the averages: the same
-# sum in another order, so equal to rounding (FSDP2 is off by about 1 here: it loses a share).
-TOLERANCE = {reentrant_checkpoint_two_forwards: 1e-6, reused_layer_whole_block_checkpointed_two_forwards: 1e-6}
 
 
 def non_root_forward_first(impl, mesh):
@@ -1161,13 +1206,13 @@ def diff(a, b):
     return d, equal
 
 
-def compare(flow, mesh):
-    rec, res = {"reference": REFERENCE[flow], "tolerance": TOLERANCE.get(flow, 0.0)}, {}
+def compare(run, mesh):
+    rec, res = {"reference": run.reference, "tolerance": run.tolerance}, {}
     for impl in ("ours", rec["reference"]):
         try:
-            res[impl] = flow(impl, mesh)
+            res[impl] = run(impl, mesh)
         except Exception:
-            print(f"rank {dist.get_rank()}: {impl} raised in {flow.__name__}", file=sys.stderr, flush=True)
+            print(f"rank {dist.get_rank()}: {impl} raised in {run.__name__}", file=sys.stderr, flush=True)
             rec[f"{impl}_error"] = traceback.format_exc()
     if len(res) == 2:
         (g1, p1, m1), (g2, p2, m2) = res["ours"], res[rec["reference"]]
@@ -1200,7 +1245,7 @@ def main():
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    result = {flow.__name__: compare(flow, mesh) for flow in FLOWS}
+    result = {run.__name__: compare(run, mesh) for run in FLOWS}
     for check in (grouped_unit_output_dtypes, memory_report_of_uneven_shards, freed_after_del, fully_shard_twice,
                   list_argument_and_dropped_forward, inplace_on_a_view_output, late_unshard_handle_wait, deepcopy_of_a_sharded_model,
                   submodule_state_dict_while_gathered, meta_model_first_forward, graphs_of_compiled_blocks,

@@ -2,68 +2,27 @@
 fsdp_impl against PyTorch's FSDP2 in unusual training flows, on CPU with gloo at 2 ranks.
 
 tests/flows_worker.py is launched once (tests/spawn.py) and writes a JSON report; the tests below assert
-on it. Each flow trains an fsdp_impl model and a reference built from the same seed on the same
-data for a few AdamW steps: two backward passes over one forward (retain_graph, autograd.grad then
-backward), a no_grad forward of one block between backward and the optimizer step (with the default
-prefetch, and with explicit forward-prefetch lists as train.py sets them), reentrant
-activation checkpointing, requires_grad_() changes during training, load_state_dict(assign=True)
-(materialized and meta models), a grouped unit whose last module is skipped or that is listed out of
-the order its modules run in, a block returning a
-dataclass, recovery with reset_iter_state() after an exception in backward, and under bf16 a
-parameter whose first gradient comes in the synchronizing micro-step of an accumulation, and HSDP
-with the all-reduce off in one micro-step and on in the next, parts of a unit skipped; a layer used
-twice in a block under reentrant checkpointing (its grads come in two backward passes), an
-inference_mode forward between steps and as the first forward, module.double() after
-fully_shard, a block's unshard() before each step's forward (the first included; also under
-inference_mode), and the reused layer with retain_graph and with two forwards of whole-block
-reentrant checkpointing, and a block applied twice in one forward; under HSDP,
-set_requires_gradient_sync(True) after set_requires_all_reduce(False), which switches the
-all-reduce on too; requires_grad_() on the root's parameters while it is gathered after a no_grad
-forward, through the module and through the optimizer's object; load_state_dict(assign=True) into a
-submodule of a unit (before the first step and after one), a parameter assigned before the
-first forward, and a block's forward sending a message of its own (tag 1) while a gather is in
-flight; the bf16 flow above on the library collectives' path (one rank-major reduce-scatter input
-for the float32 sums and the bf16 first grad), and under HSDP a reset_iter_state() after an
-exception in the backward that follows a micro-step with the all-reduce off (its kept sums are
-dropped). More checks: train.py's memory rows hold the largest rank's figures, every module of a
-grouped unit returns its output in output_dtype, a model is freed once dropped, fully_shard twice
-on one module is a clear error that changes nothing, a block run before the root's first forward is rejected with a RuntimeError, as FSDP2 does, and an
-unshard handle waited after the forward used its gather leaves the block sharded, and copy.deepcopy
-of a sharded model is refused saying to copy its state_dict instead, and state_dict() of a
-submodule of a gathered unit holds the sharded DTensors; the first forward of a model left on the
-meta device is a RuntimeError that says so; block.compile() before sharding makes as many graphs
-as under FSDP2 (the hooks stay out of them). What FSDP2 refuses at fully_shard time (a container
-without a forward, a 3-D mesh, a 2-D mesh without dim names, two dtypes that both train, an
-uneven split on dim 1, a channels_last weight) is refused with its exception types, and a slice of a sharded nn.Sequential
-is a plain Sequential. Code written for FSDP2 that trained wrongly or crashed later
-here: a meta-device unit of which a rank holds nothing, an optimizer stepped from the sharded
-parameters' post-accumulate-grad hooks, CPUOffloadPolicy on a CPU mesh, a grouped unit whose
-head a chunked loss calls alone, its other module skipped. FSDP2's API beyond train.py's: a
-gradient divide factor with sum-only collectives (on every module, and on the root alone: the
-setter is not recursive), sum-only collectives alone, a block method registered as a forward
-(register_fsdp_forward_method), a hook on the reduced grads (set_all_reduce_hook), and two
-backwards per step, the first marked not last (set_is_last_backward), an input layer not
-gathered for backward (set_unshard_in_backward(False)), grads reduced in float16, a parameter
-the root's fully_shard ignores, a shard_placement_fn that asks for dim 0 and one that asks for
-dim 1 (plain, under bf16 as Shard(-1), in LoRA's units, under HSDP; and its sharded layouts), and
-bf16 with the root's forward inputs left uncast (cast_forward_inputs=False), and LoRA's units (a
-frozen bf16 base beside float32 adapters), with and without mixed precision.
+on it. A flow is a function the worker registers with @flow: it trains an fsdp_impl model and a
+reference built from the same seed on the same data for a few AdamW steps, and
+test_flow_matches_reference compares the two, once per flow. The flows take training off train.py's
+path: several backward passes over one forward, activation checkpointing, requires_grad_() and
+load_state_dict(assign=True) between steps, grouped units with modules skipped or run alone,
+accumulation and HSDP with the reductions switched per micro-step, recovery with reset_iter_state(),
+inference_mode, code written for FSDP2 that trained wrongly or crashed on fsdp_impl, and FSDP2's API
+beyond train.py's (divide factors, hooks, shard_placement_fn, mixed precision, LoRA's units). The
+other tests each check one behaviour against FSDP2's: what is raised, what a report or a layout holds.
 
 The reference is FSDP2, except in the flows where FSDP2 (torch 2.13) computes something else than
-plain PyTorch: with explicit forward-prefetch lists it uses the probe's all-gather from before the
-optimizer step, and after reset_iter_state() it adds the failed step's head gradients to the next
-step's; in the HSDP flows with parts of a unit skipped (all-reduce off, then on) it fails on the shapes or
-drops the kept sums; with the first forward under inference_mode it fails; after requires_grad_()
-on a gathered root's parameter it trains that parameter again from the root's next gather. There the
-reference is the plain model, its grads averaged over the ranks before each step
-(all_reduce AVG). In the other float32 flows FSDP2 matches that plain model bit for bit too
-(checked when the flows were written), so matching FSDP2 means computing the right thing. In the
-bf16 accumulation flow FSDP2 fails too; its run there mutes the block instead of skipping it.
+plain PyTorch, which say how in their @flow(fsdp2_differs=...). There the reference is the plain
+model, its grads averaged over the ranks before each step (all_reduce AVG). In the other float32
+flows FSDP2 matches that plain model bit for bit too (checked when the flows were written), so
+matching FSDP2 means computing the right thing.
 
 Every comparison is bitwise: the implementations run the same kernels on the same numbers and the
 same reductions ((a + b) / 2 on gloo at 2 ranks, which is deterministic), so any difference is a
 real one.
 """
+import ast
 import json
 
 import pytest
@@ -73,34 +32,20 @@ from conftest import REPO, launch, launcher
 
 WORKER = REPO / "tests" / "flows_worker.py"
 LAUNCH_TIMEOUT_S = 240
-FLOWS = ["retain_graph", "autograd_grad_then_backward", "partial_no_grad_forward_before_step",
-         "partial_no_grad_forward_before_step_explicit_prefetch", "reentrant_checkpoint", "requires_grad_toggle",
-         "load_state_dict_assign", "load_state_dict_assign_meta", "grouped_unit_last_module_skipped",
-         "grouped_unit_listed_out_of_order", "dataclass_output", "reset_after_exception_in_backward", "unit_skipped_in_the_sync_micro_step",
-         "optimizer_step_in_backward", "reentrant_checkpoint_two_forwards", "mixed_precision_dataclass_io",
-         "forward_pre_hook_registered_before_fully_shard", "bf16_first_grad_in_the_sync_micro_step",
-         "hsdp_kept_sums_lack_the_units_last_module", "hsdp_kept_sums_lack_the_units_first_module",
-         "hsdp_all_reduce_micro_step_skips_a_module", "hsdp_all_reduce_micro_step_skips_the_unit",
-         "reused_layer_outside_then_checkpointed", "reused_layer_checkpointed_then_outside",
-         "reused_layer_checkpointed_twice", "inference_mode_forward_between_steps", "inference_mode_first_forward",
-         "dtype_changed_after_fully_shard", "unshard_before_each_forward",
-         "unshard_under_inference_mode_before_each_forward", "reused_layer_retain_graph",
-         "reused_layer_whole_block_checkpointed_two_forwards", "unit_called_twice_per_forward",
-         "hsdp_gradient_sync_switches_the_all_reduce_on", "requires_grad_changed_while_gathered",
-         "load_state_dict_assign_into_a_submodule", "load_state_dict_assign_into_a_submodule_after_a_step",
-         "parameter_assigned_before_the_first_forward", "own_messages_inside_a_forward",
-         "hsdp_reset_after_exception_with_kept_sums",
-         # code written for FSDP2 that trained wrongly, or crashed later, on fsdp_impl
-         "meta_init_with_a_unit_empty_on_a_rank", "optimizer_in_backward_on_sharded_params",
-         "cpu_offload_policy_on_a_cpu_mesh", "chunked_loss_calls_a_grouped_units_head_alone",
-         "chunked_loss_with_the_units_other_module_skipped", "grouped_units_member_run_alone_first",
-         # FSDP2's API beyond train.py's
-         "gradient_divide_factor_with_sum_reductions", "sum_reductions_only", "gradient_divide_factor_on_the_root_only",
-         "forward_method_registered", "all_reduce_hook_halves_the_grads", "two_backwards_per_step_the_first_not_last",
-         "input_layer_not_gathered_for_backward", "float16_reduction", "ignored_parameter_stays_local",
-         "shard_placement_fn_dim_0", "bf16_without_casting_forward_inputs", "lora_frozen_bf16_base",
-         "lora_frozen_bf16_base_under_bf16", "shard_placement_fn_dim_1", "shard_placement_fn_dim_1_under_bf16",
-         "shard_placement_fn_dim_1_lora_frozen_bf16_base", "hsdp_shard_placement_fn_dim_1"]
+
+
+def registered_flows():
+    """The names of the functions tests/flows_worker.py registers with @flow, in its order. Read from
+    its source: importing it would import fsdp_impl while collecting, where an error would stop the
+    whole suite's collection instead of failing these tests."""
+    def is_flow(decorator):  # @flow or @flow(...)
+        decorator = getattr(decorator, "func", decorator)
+        return isinstance(decorator, ast.Name) and decorator.id == "flow"
+    return [node.name for node in ast.parse(WORKER.read_text()).body
+            if isinstance(node, ast.FunctionDef) and any(map(is_flow, node.decorator_list))]
+
+
+FLOWS = registered_flows()
 
 
 @pytest.fixture(scope="module")
@@ -158,6 +103,13 @@ def test_flow_matches_reference(report, flow):
     tol = r["tolerance"]  # 0 (bitwise) but where the worker says why the summation order differs
     assert r["param_diff"] <= tol and (tol or r["param_bitwise"]), f"final parameters differ by up to {r['param_diff']}"
     assert r["grad_diff"] <= tol and (tol or r["grad_bitwise"]), f"the last step's grads differ by up to {r['grad_diff']}"
+
+
+def test_every_flow_the_worker_ran_is_tested(report):
+    """The flows read from the worker's source are those it compared, in its order: a flow
+    registered otherwise than by a top-level @flow would run untested."""
+    compared = [name for name, rec in report.items() if isinstance(rec, dict) and "reference" in rec]
+    assert compared == FLOWS
 
 
 def test_grouped_unit_casts_every_modules_output(report):
