@@ -1,6 +1,6 @@
 """
-The model, training and comparison of tests/tp_worker.py, in a module of their own for workers to
-share: a small MLP, tensor parallel or not, fully_shard-ed by fsdp_impl and by PyTorch's FSDP2 over a
+The model, training and comparison that tests/tp_worker.py and tests/reshard_worker.py share: a
+small MLP, tensor parallel or not, fully_shard-ed by fsdp_impl and by PyTorch's FSDP2 over a
 data-parallel mesh, both trained from one seed on the same data for a few AdamW steps, and compared
 bit for bit, each all-gather's group size noted.
 

@@ -3,10 +3,8 @@ Tensor parallel then fully_shard (FSDP2's "2-D parallelism"), fsdp_impl against 
 gloo at 4 ranks: a (dp=2, tp=2) mesh, with float32 and bf16 parameters, each with and without
 gradient accumulation, and HSDP over tp on a (replicate=2, shard=1, tp=2) mesh; the same with
 shard_placement_fn putting the matrices on dim 1 (Shard(1), and _StridedShard(1) where tp splits dim
-1 too), and a tp-local dim 1 that does not split evenly over dp, refused as FSDP2 refuses it. At the
-same 4 ranks without tp: reshard_after_forward=2 (each rank keeps its piece of the gathered
-parameters over groups of 2 after forward), plain, bf16 with accumulation, with a unit of two dtypes,
-and under HSDP (replicate=1, shard=4); and what it is refused with.
+1 too), and a tp-local dim 1 that does not split evenly over dp, refused as FSDP2 refuses it.
+(reshard_after_forward=2 beside a tensor parallel parameter, which both refuse: tests/test_reshard.py.)
 
 tests/tp_worker.py is launched once and writes a JSON report; the tests below assert on it. Every
 comparison is bitwise: both implementations run DTensor's same tensor parallel ops, and gloo
@@ -21,9 +19,6 @@ from conftest import REPO, launch, launcher
 WORKER = REPO / "tests" / "tp_worker.py"
 CASES = ["fsdp_over_tp", "fsdp_over_tp_bf16", "fsdp_over_tp_accumulation", "fsdp_over_tp_bf16_accumulation",
          "hsdp_over_tp", "fsdp_over_tp_dim_1", "fsdp_over_tp_dim_1_bf16_accumulation", "hsdp_over_tp_dim_1"]
-
-
-RESHARD_CASES = ["reshard_to_2", "reshard_to_2_bf16_accumulation", "reshard_to_2_frozen_bf16", "hsdp_reshard_to_2"]
 
 
 @pytest.fixture(scope="module")
@@ -67,35 +62,3 @@ def test_uneven_dim_1_of_a_tp_local_tensor_is_refused_as_fsdp2_refuses_it(report
     r = report["uneven_dim_1_of_a_tp_local_tensor"]
     assert r["fsdp2"] and r["fsdp2"]["type"] == "NotImplementedError", r  # the reference behaviour
     assert r["ours"] == {"type": r["fsdp2"]["type"], "lines": 1}, r
-
-
-@pytest.mark.parametrize("case", RESHARD_CASES)
-def test_resharding_to_a_smaller_group_trains_as_fsdp2(report, case):
-    """The gathered parameters are copies wherever they come from, so training is FSDP2's, bit for bit."""
-    r = assert_trained_as_fsdp2(report, case)
-    assert r["ours_specs"] == r["fsdp2_specs"]
-
-
-@pytest.mark.parametrize("case", RESHARD_CASES)
-def test_backward_gathers_within_the_smaller_group(report, case):
-    """Forward gathers over the 4 ranks, backward over groups of 2, as FSDP2's collectives (their
-    sizes too, but for a unit of two dtypes: fsdp_impl's byte layout aligns each parameter to 16
-    bytes); fsdp_impl's ledger names the smaller group's all-gathers."""
-    r = report[case]
-    ours, theirs = r["ours_gathers"], r["fsdp2_gathers"]
-    assert {size for size, _ in theirs["forward"]} == {4} and {size for size, _ in theirs["backward"]} == {2}, theirs
-    for phase in ("forward", "backward"):
-        assert [size for size, _ in ours[phase]] == [size for size, _ in theirs[phase]], (phase, ours, theirs)
-        assert ours[phase] == theirs[phase] or case == "reshard_to_2_frozen_bf16", (phase, ours, theirs)
-    assert ours["forward_events"] == ["all_gather"] * len(ours["forward"]), ours
-    assert ours["backward_events"] == ["all_gather_in_smaller_group"] * len(ours["backward"]), ours
-
-
-def test_resharding_to_a_smaller_group_is_refused_where_fsdp2_refuses_it(report):
-    """Beside a tensor parallel parameter FSDP2 refuses it (at the first forward; fsdp_impl at
-    fully_shard), and a size that does not divide the shard group's; beside matrices sharded on dim 1
-    FSDP2 fails, and fsdp_impl refuses it. Each in one line."""
-    r = report["reshard_to_2_refusals"]
-    assert r["fsdp2"] == {"tensor_parallel": {"type": "NotImplementedError", "lines": 1},
-                          "not_a_factor": {"type": "ValueError", "lines": 1}}, r  # the reference behaviour
-    assert r["ours"] == {**r["fsdp2"], "dim_1": {"type": "NotImplementedError", "lines": 1}}, r

@@ -1,0 +1,66 @@
+"""
+reshard_after_forward=2, fsdp_impl against FSDP2 on CPU with gloo at 4 ranks, all data parallel:
+after forward each rank keeps its piece of the parameters gathered over a group of 2 (FSDP2's
+reshard to a smaller group), so backward gathers within that group. Plain, bf16 with accumulation,
+with a unit of two dtypes, and under HSDP (replicate=1, shard=4); and where it is refused.
+
+tests/reshard_worker.py is launched once and writes a JSON report; the tests below assert on it.
+Every comparison is bitwise: the gathered parameters are copies wherever they come from, and gloo's
+reductions are deterministic.
+
+The other reshard settings are tested elsewhere: the values reshard_after_forward takes (an int
+among them) in tests/test_fsdp_impl.py's test_reshard_after_forward_*; False (ZeRO-2) and
+set_reshard_after_backward(False) in its parity modes zero2 and no_reshard_after_backward*; train.py's
+--reshard_after_forward=False in tests/test_bench.py, its units kept gathered through accumulation in
+tests/test_train.py (tests/accum_worker.py), and on GPUs in tests/test_cuda_multi.py.
+"""
+import json
+
+import pytest
+
+from conftest import REPO, launch, launcher
+from test_tensor_parallel import assert_trained_as_fsdp2
+
+WORKER = REPO / "tests" / "reshard_worker.py"
+CASES = ["reshard_to_2", "reshard_to_2_bf16_accumulation", "reshard_to_2_frozen_bf16", "hsdp_reshard_to_2"]
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory):
+    out = tmp_path_factory.mktemp("reshard") / "reshard.json"
+    res = launch(launcher(4) + [WORKER, out], timeout=240)
+    if not out.exists():
+        pytest.fail(f"the reshard worker wrote no report: {res.describe()}")
+    return json.loads(out.read_text())
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_resharding_to_a_smaller_group_trains_as_fsdp2(report, case):
+    """The gathered parameters are copies wherever they come from, so training is FSDP2's, bit for bit."""
+    r = assert_trained_as_fsdp2(report, case)
+    assert r["ours_specs"] == r["fsdp2_specs"]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_backward_gathers_within_the_smaller_group(report, case):
+    """Forward gathers over the 4 ranks, backward over groups of 2, as FSDP2's collectives (their
+    sizes too, but for a unit of two dtypes: fsdp_impl's byte layout aligns each parameter to 16
+    bytes); fsdp_impl's ledger names the smaller group's all-gathers."""
+    r = report[case]
+    ours, theirs = r["ours_gathers"], r["fsdp2_gathers"]
+    assert {size for size, _ in theirs["forward"]} == {4} and {size for size, _ in theirs["backward"]} == {2}, theirs
+    for phase in ("forward", "backward"):
+        assert [size for size, _ in ours[phase]] == [size for size, _ in theirs[phase]], (phase, ours, theirs)
+        assert ours[phase] == theirs[phase] or case == "reshard_to_2_frozen_bf16", (phase, ours, theirs)
+    assert ours["forward_events"] == ["all_gather"] * len(ours["forward"]), ours
+    assert ours["backward_events"] == ["all_gather_in_smaller_group"] * len(ours["backward"]), ours
+
+
+def test_resharding_to_a_smaller_group_is_refused_where_fsdp2_refuses_it(report):
+    """Beside a tensor parallel parameter FSDP2 refuses it (at the first forward; fsdp_impl at
+    fully_shard), and a size that does not divide the shard group's; beside matrices sharded on dim 1
+    FSDP2 fails, and fsdp_impl refuses it. Each in one line."""
+    r = report["reshard_to_2_refusals"]
+    assert r["fsdp2"] == {"tensor_parallel": {"type": "NotImplementedError", "lines": 1},
+                          "not_a_factor": {"type": "ValueError", "lines": 1}}, r  # the reference behaviour
+    assert r["ours"] == {**r["fsdp2"], "dim_1": {"type": "NotImplementedError", "lines": 1}}, r
