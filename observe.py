@@ -24,6 +24,8 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 
+from fsdp_impl.comm import collective_bytes
+
 
 PROFILE_STEPS = (2, 5)  # the run's steps [2, 5), counting from 0: past warm-up, few enough
 # dense tensor-core peaks in FLOP/s: (bf16 or fp16, TF32, which float32 matmuls run on with
@@ -62,8 +64,9 @@ def model_state_mb(model, optimizer):
 
 
 class CommCounter:
-    """Counts collectives and bytes issued through torch.distributed's Python API (everything FSDP2
-    and fsdp_impl issue). DDP's C++ reducer is not seen (bench.py states its formula)."""
+    """Counts collectives and bytes (fsdp_impl.comm's byte rule) issued through torch.distributed's
+    Python API: everything FSDP2 and fsdp_impl issue. DDP's C++ reducer is not seen (bench.py states
+    its formula)."""
     KINDS = {"all_gather_into_tensor": "all_gather", "all_gather_single": "all_gather",
              "reduce_scatter_tensor": "reduce_scatter", "reduce_scatter_single": "reduce_scatter",
              "all_reduce": "all_reduce"}
@@ -82,9 +85,7 @@ class CommCounter:
 
     def _counting(self, fn, kind):
         def counted(*args, **kwargs):
-            tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
-            big = max(tensors, key=torch.Tensor.numel)  # the output of a gather, the input of a scatter
-            self._add(kind, big.numel() * big.element_size())
+            self._add(kind, collective_bytes([a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]))
             return fn(*args, **kwargs)
         return counted
 

@@ -18,22 +18,39 @@ import torch.distributed as dist
 from torch.autograd.profiler import record_function
 
 
-class Ledger:
+KINDS = ("all_gather", "reduce_scatter", "all_reduce")
+
+
+def collective_bytes(tensors):
+    """A collective's size: its largest tensor, the larger of its input and output, what a rank sends
+    or receives (nccl-tests' size). The one byte rule of every counter: ledger, observe.py, plan.py."""
+    return max(t.numel() * t.element_size() for t in tensors)
+
+
+class CollectiveCounts:
+    """Collectives issued and their bytes (collective_bytes), by kind."""
+
     def __init__(self):
-        self.reset()
+        self.counts, self.bytes = dict.fromkeys(KINDS, 0), dict.fromkeys(KINDS, 0)
+
+    def count(self, kind, *tensors):
+        self.counts[kind] = self.counts.get(kind, 0) + 1
+        self.bytes[kind] = self.bytes.get(kind, 0) + collective_bytes(tensors)
+
+
+class Ledger(CollectiveCounts):
+    """The counts, and with record_events the order of each unit's events."""
+
+    def __init__(self, record_events=False):
+        super().__init__()
+        self.events = [] if record_events else None
 
     def reset(self, record_events=False):
-        self.counts = {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 0}
-        self.bytes = {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 0}
-        self.events = [] if record_events else None
+        self.__init__(record_events)
 
     def log(self, event, unit):
         if self.events is not None:
             self.events.append((event, unit))
-
-    def count(self, kind, tensor):
-        self.counts[kind] += 1
-        self.bytes[kind] += tensor.numel() * tensor.element_size()
 
 
 ledger = Ledger()
