@@ -646,23 +646,6 @@ def test_the_default_mesh_is_fsdp2s_and_belongs_to_the_current_process_group():
     assert lines[4] == "base policy offloads False", lines
 
 
-@pytest.mark.parametrize("value, expected", [(True, (True, None)), (False, (False, None)), (None, (None, None)),
-                                             (4, (True, None)), (1, (False, None)), (2, (True, 2))])
-def test_reshard_after_forward_takes_fsdp2s_values(value, expected):
-    """FSDP2 reads an int as the size of the group to reshard to after forward: the whole shard group
-    is True, one rank is False, another factor of the group's size a smaller group (tests/tp_worker.py
-    trains with it)."""
-    from fsdp_impl.unit import reshard_after_forward_flag
-    assert reshard_after_forward_flag(value, 4) == expected
-
-
-@pytest.mark.parametrize("value", [3, 0, -2, 8, "yes", 1.0])
-def test_reshard_after_forward_refuses_what_it_cannot_do(value):
-    from fsdp_impl.unit import reshard_after_forward_flag
-    with pytest.raises(ValueError, match="reshard_after_forward"):
-        reshard_after_forward_flag(value, 4)
-
-
 FSDP2_POLICY_OBJECTS = """
 import torch, torch.distributed as dist, torch.nn as nn
 from torch.distributed.fsdp import OffloadPolicy, fully_shard as fsdp2_fully_shard

@@ -8,8 +8,8 @@ tests/reshard_worker.py is launched once and writes a JSON report; the tests bel
 Every comparison is bitwise: the gathered parameters are copies wherever they come from, and gloo's
 reductions are deterministic.
 
-The other reshard settings are tested elsewhere: the values reshard_after_forward takes (an int
-among them) in tests/test_fsdp_impl.py's test_reshard_after_forward_*; False (ZeRO-2) and
+The values reshard_after_forward takes, an int among them, are tested last. The other reshard
+settings are tested elsewhere: False (ZeRO-2) and
 set_reshard_after_backward(False) in its parity modes zero2 and no_reshard_after_backward*; train.py's
 --reshard_after_forward=False in tests/test_bench.py, its units kept gathered through accumulation in
 tests/test_train.py (tests/accum_worker.py), and on GPUs in tests/test_cuda_multi.py.
@@ -64,3 +64,20 @@ def test_resharding_to_a_smaller_group_is_refused_where_fsdp2_refuses_it(report)
     assert r["fsdp2"] == {"tensor_parallel": {"type": "NotImplementedError", "lines": 1},
                           "not_a_factor": {"type": "ValueError", "lines": 1}}, r  # the reference behaviour
     assert r["ours"] == {**r["fsdp2"], "dim_1": {"type": "NotImplementedError", "lines": 1}}, r
+
+
+@pytest.mark.parametrize("value, expected", [(True, (True, None)), (False, (False, None)), (None, (None, None)),
+                                             (4, (True, None)), (1, (False, None)), (2, (True, 2))])
+def test_reshard_after_forward_takes_fsdp2s_values(value, expected):
+    """FSDP2 reads an int as the size of the group to reshard to after forward: the whole shard group
+    is True, one rank is False, another factor of the group's size a smaller group (the
+    tests above train with it)."""
+    from fsdp_impl.unit import reshard_after_forward_flag
+    assert reshard_after_forward_flag(value, 4) == expected
+
+
+@pytest.mark.parametrize("value", [3, 0, -2, 8, "yes", 1.0])
+def test_reshard_after_forward_refuses_what_it_cannot_do(value):
+    from fsdp_impl.unit import reshard_after_forward_flag
+    with pytest.raises(ValueError, match="reshard_after_forward"):
+        reshard_after_forward_flag(value, 4)
