@@ -27,26 +27,19 @@ def collective_bytes(tensors):
     return max(t.numel() * t.element_size() for t in tensors)
 
 
-class CollectiveCounts:
-    """Collectives issued and their bytes (collective_bytes), by kind."""
-
-    def __init__(self):
-        self.counts, self.bytes = dict.fromkeys(KINDS, 0), dict.fromkeys(KINDS, 0)
-
-    def count(self, kind, *tensors):
-        self.counts[kind] = self.counts.get(kind, 0) + 1
-        self.bytes[kind] = self.bytes.get(kind, 0) + collective_bytes(tensors)
-
-
-class Ledger(CollectiveCounts):
-    """The counts, and with record_events the order of each unit's events."""
+class Ledger:
+    """Collectives issued and their bytes (collective_bytes) by kind; with record_events, the order
+    of each unit's events."""
 
     def __init__(self, record_events=False):
-        super().__init__()
+        self.counts, self.bytes = dict.fromkeys(KINDS, 0), dict.fromkeys(KINDS, 0)
         self.events = [] if record_events else None
 
-    def reset(self, record_events=False):
-        self.__init__(record_events)
+    reset = __init__
+
+    def count(self, kind, *tensors):
+        self.counts[kind] += 1
+        self.bytes[kind] += collective_bytes(tensors)
 
     def log(self, event, unit):
         if self.events is not None:
