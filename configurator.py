@@ -39,12 +39,21 @@ def fail(msg):
     raise SystemExit(2)
 
 
-def check_device(device):
-    """Fail in one line unless this torch can run on `device`: cpu, or cuda / cuda:N with CUDA present."""
+def device_problem(device):
+    """Why this torch cannot run on `device`, in one line, or None: it takes cpu, and cuda or cuda:N
+    with CUDA present."""
     if not re.fullmatch(r"cpu|cuda(:\d+)?", device):
-        fail(f"unknown device '{device}' (choose cpu, cuda or cuda:N)")
+        return f"unknown device '{device}' (choose cpu, cuda or cuda:N)"
     if device.startswith("cuda") and not torch.cuda.is_available():
-        fail(f"device={device} but this torch has no CUDA device (use --device=cpu)")
+        return f"device={device} but this torch has no CUDA device (use --device=cpu)"
+    return None
+
+
+def check_device(device):
+    """Fail in one line unless this torch can run on `device`."""
+    problem = device_problem(device)
+    if problem:
+        fail(problem)
 
 
 def typed(value, default, what):

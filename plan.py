@@ -11,12 +11,13 @@ the communication time is projected at), --json (one row per backend and world s
 (peak per rank against W). --dist_backend plans one backend; without it, all three.
 
 For each backend and world size W it runs the real code: the model built on the meta device and
-wrapped through backends.py as train.py wraps it, then two whole training steps as train.py runs
-them (every micro-step of this rank, clipping, the optimizer step, zero_grad), as rank r of W in
-this one process. The process group is fake (collectives move nothing) and so are the tensors
-(they hold no memory), but every shape, shard, padding, gathered buffer and activation is the
-real one. A dispatch mode counts each storage as the allocator would: allocated when an op makes
-it, resized when a storage is resized (FSDP's gathers), freed when the last tensor on it dies.
+wrapped through backends.py as train.py wraps it, then two whole training steps of train.py's own
+(training.train_step: every micro-step of this rank, clipping, the optimizer step, zero_grad), as
+rank r of W in this one process. The process group is fake (collectives move nothing) and so
+are the tensors (they hold no memory), but every shape, shard, padding, gathered buffer and
+activation is the real one. A dispatch mode counts each storage as the allocator would:
+allocated when an op makes it, resized when a storage is resized (FSDP's gathers), freed when
+the last tensor on it dies.
 
 The counts are CPU tensors', as on --device=cpu: the figures a CPU run allocates, to the byte (the
 tests hold the plan to the CPU allocator's own count). Given --device=cpu, the run is over gloo,
@@ -43,8 +44,10 @@ from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper
 from torch.utils._pytree import tree_flatten
 
 import configurator
+import training
 from backends import BACKENDS, BackendError, DDPBackend, make_backend
 from model import GPT, GPTConfig
+from training import settings as train_settings, vocab_size  # (train.py's, by the names scripts/figures.py reads)
 
 PLAN_FLAGS = {"nproc": "1,2,4,8", "rank": 0, "json": "", "png": "", "gpu": "", "gpu_mem_gib": "", "busbw_gbps": "",
               "timeline": "", "timeline_json": ""}  # plan.py's own settings, beside train.py's
@@ -58,17 +61,6 @@ CUBLAS_WORKSPACE_BYTES = 32 * 2**20
 # outside the allocator: the CUDA context (lazy module loading), NCCL's buffers per communicator
 CUDA_CONTEXT_BYTES = 500 * 2**20
 NCCL_COMMUNICATOR_BYTES = 700 * 2**20
-
-
-def train_settings(argv):
-    """train.py's settings after its config files and overrides, with train.py's own defaults: the
-    block between the two rules at the top of train.py, run as train.py runs it."""
-    src = open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "train.py")).read()
-    rule = "\n# " + "-" * 77 + "\n"
-    first = src.index(rule)
-    defaults = {"torch": torch}
-    exec(src[first:src.index(rule, first + 1)], defaults)
-    return configurator.apply(defaults, argv)
 
 
 def split_argv(argv):
@@ -492,29 +484,6 @@ def roles(model, optimizer, comm_storages):
 
 
 # ---- the step ----------------------------------------------------------------------------------
-def train_step(settings, back, model, optimizer, local_steps, batch, mark=lambda where: None):
-    """One optimizer step as train.py's loop takes it (its metrics and clock left out)."""
-    loss_sum = torch.zeros((), device=settings["device"])
-    for micro_step in range(local_steps):
-        X, Y = batch()
-        back.set_grad_sync(model, micro_step == local_steps - 1)
-        mark(f"forward {micro_step}")
-        with back.autocast():
-            loss = model(X, Y)[1] / local_steps
-        mark(f"backward {micro_step}")
-        back.backward(loss)
-        loss_sum += loss.detach()
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(loss_sum)
-    mark("clip")
-    back.clip_grad_norm(optimizer, settings["grad_clip"])
-    mark("optimizer")
-    back.step(optimizer)
-    mark("zero_grad")
-    optimizer.zero_grad(set_to_none=True)
-    mark("between steps")
-
-
 def per_rank_micro_steps(settings, world):
     """This rank's micro-steps per optimizer step; a W that does not divide the global count is
     planned with one (memory per rank depends on the micro-batch, not on how many)."""
@@ -523,7 +492,9 @@ def per_rank_micro_steps(settings, world):
 
 
 def random_batch(settings):
-    def batch():
+    """batch(iter_num, k) of the planned run: random token ids of the batch's shape (the key is
+    for train.py's data)."""
+    def batch(*key):
         shape = (settings["batch_size"], settings["block_size"])
         return (torch.randint(settings["vocab_size"], shape, device=settings["device"]),
                 torch.randint(settings["vocab_size"], shape, device=settings["device"]))
@@ -602,7 +573,8 @@ def steps(counter, settings, back, model, local_steps, fake):
                     state.append(state_bytes(optimizer))
         if step == 1:
             counter.comm, counter.bus_bytes = {}, 0  # communication per step: the second step's
-        train_step(settings, back, model, optimizer, local_steps, random_batch(settings), mark)
+        training.train_step(settings, back, model, optimizer, local_steps, random_batch(settings), step,
+                            dist.get_rank(), mark=mark)
         if step == 0:
             counter.steady = counter.allocated
     for bucket in getattr(model, "_planned_ddp_buckets", ()):  # DDP's reducer all-reduces each bucket once a step
@@ -752,18 +724,6 @@ def state_bytes(optimizer):
                 if isinstance(t, torch.Tensor):
                     sizes[storage_id(t)] = getattr(t, "_local_tensor", t).untyped_storage().nbytes()
     return sum(sizes.values())
-
-
-def vocab_size(settings):
-    """The vocabulary train.py would build: the data's meta.pkl if there is one, else GPT-2's BPE
-    padded to 50304."""
-    path = os.path.join(settings["data_dir"] or os.path.join("data", settings["dataset"]), "meta.pkl")
-    if os.path.exists(path):
-        import pickle
-        with open(path, "rb") as f:
-            vocab = pickle.load(f)["vocab_size"]
-        return vocab if vocab != 50257 else 50304
-    return 50304
 
 
 GPUS = {"a100": 81_920, "h100": 81_559, "h200": 143_771}  # MiB, as nvidia-smi reports the 80 GB and 141 GB parts

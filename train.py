@@ -22,74 +22,13 @@ import torch.distributed as dist
 import checkpoint
 import configurator
 import observe
-from backends import BACKENDS, BackendError, init_distributed, make_backend, use_deterministic_kernels
-from model import GPT, GPT2_MODELS, GPTConfig, load_pretrained_gpt2
+import training
+from backends import BackendError, init_distributed, make_backend, use_deterministic_kernels
+from model import GPT, GPTConfig, load_pretrained_gpt2
 
-# -----------------------------------------------------------------------------
-# default config: a small char-level model on tiny Shakespeare
-# I/O
-out_dir = "out"
-eval_interval = 250
-eval_iters = 20  # batches per split in each evaluation; 0 skips it (and saves at every eval_interval)
-log_interval = 10
-eval_only = False  # evaluate the model as loaded (scratch, resume or gpt2) once, and exit
-always_save_checkpoint = True  # else only when the validation loss improves
-keep_checkpoints = 2  # complete checkpoints kept in out_dir; 0 saves none (bench.py's runs)
-init_from = "scratch"  # 'scratch', 'resume' (latest checkpoint in out_dir), or OpenAI's 'gpt2' (-medium, -large, -xl)
-# wandb logging
-wandb_log = False
-wandb_project = "fsdp-gpt"
-wandb_run_name = "run"  # runs are named <run_name>-<backend>-w<world size> and grouped by run_name
-# data
-dataset = "shakespeare_char"
-data_dir = ""  # default: data/<dataset>
-gradient_accumulation_steps = 4  # global micro-batches per step, split across processes
-batch_size = 12  # sequences per micro-batch
-block_size = 64
-seed = 1337
-# model
-n_layer = 4
-n_head = 4
-n_embd = 128
-dropout = 0.0
-bias = False
-# AdamW
-learning_rate = 1e-3
-max_iters = 2000
-weight_decay = 1e-1
-beta1 = 0.9
-beta2 = 0.99
-grad_clip = 1.0  # 0 disables clipping (the norm is still measured and logged)
-# learning rate schedule: linear warmup, cosine decay to min_lr
-decay_lr = True
-warmup_iters = 100
-lr_decay_iters = 2000
-min_lr = 1e-4
-# distributed
-dist_backend = "ddp"  # 'ddp', 'fsdp' (PyTorch FSDP2) or 'custom_fsdp' (ours)
-backend = "nccl"  # process-group backend on CUDA; CPU runs use gloo
-# FSDP knobs (fsdp and custom_fsdp)
-reshard_after_forward = True  # True: ZeRO-3 (free gathered params after forward); False: ZeRO-2
-wrap_policy = "size"  # 'size': consecutive blocks per unit up to min_wrap_params; 'block': one each; 'model': one unit
-min_wrap_params = 20_000_000  # wrap_policy='size': a unit takes blocks until it holds this many parameters
-prefetch = True  # gather the next unit while this one computes
-reshard_after_backward = True  # False: units stay gathered between accumulation micro-steps, freed after the last
-replicate_degree = 1  # HSDP: >1 replicates over this many groups and shards inside each
-cpu_offload = False  # keep sharded params, grads and optimizer state in CPU memory (CUDA only)
-activation_checkpointing = False  # recompute each block's activations in backward (any backend)
-# failures
-dist_timeout_s = 600  # a collective waiting longer than this aborts the job instead of hanging
-on_nonfinite = "stop"  # non-finite loss or grad norm: 'stop' (exit, naming the iteration) or 'skip' the step
-max_skipped_steps = 10  # on_nonfinite='skip': stop after more steps than this skipped in a row
-# system
-device = "cuda" if torch.cuda.is_available() else "cpu"  # 'cpu', 'cuda', 'cuda:0', ...
-dtype = "bfloat16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "float32"
-compile = False
-deterministic = False  # deterministic kernels (math attention, cuBLAS's), so that backends can agree bit for bit on a GPU
-# observability (see observe.py)
-profile = False  # Chrome traces of a few steps under out_dir/traces/<dist_backend>/
-memory_snapshot = False  # CUDA memory history of a few steps (CPU: their allocations, in a trace)
-# -----------------------------------------------------------------------------
+# the settings, as plain globals: training.defaults() lists them with their defaults; config files
+# and --key=value override them (configurator.py)
+globals().update(training.defaults())
 config = configurator.apply(globals(), sys.argv[1:])  # (the settings, as checkpoints and wandb record them)
 
 master = int(os.environ.get("RANK", 0)) == 0  # torchrun's rank, before the process group exists
@@ -123,51 +62,9 @@ def checkpoints_kept():
     return f"{out_dir} holds no checkpoint yet"
 
 
-def creatable(path):
-    """Whether directory `path` exists writable, or its nearest existing ancestor can hold it."""
-    while not os.path.lexists(path):
-        path = os.path.dirname(os.path.abspath(path))
-    return os.path.isdir(path) and os.access(path, os.W_OK)
-
-
-configurator.check_device(device)
-if backend not in ("nccl", "gloo"):
-    hint = f": for the distributed trainer, --dist_backend={backend}" if backend in BACKENDS else ""
-    fail(f"unknown backend '{backend}' (the process group's: nccl or gloo{hint})")
-if init_from not in ("scratch", "resume", *GPT2_MODELS):
-    fail(f"unknown init_from '{init_from}' (choose scratch, resume, {', '.join(GPT2_MODELS)})")
-if on_nonfinite not in ("stop", "skip"):
-    fail(f"unknown on_nonfinite '{on_nonfinite}' (choose stop or skip)")
-if keep_checkpoints < 0:
-    fail(f"keep_checkpoints={keep_checkpoints} is negative (0 saves no checkpoints)")
-if eval_iters < 0:
-    fail(f"eval_iters={eval_iters} is negative (0 skips evaluation)")
-if eval_only and not eval_iters:
-    fail("eval_only=True needs eval_iters > 0")
-for name in ("batch_size", "block_size", "gradient_accumulation_steps", "eval_interval", "log_interval",
-             "n_layer", "n_head", "n_embd", "dist_timeout_s"):
-    if globals()[name] < 1:
-        fail(f"{name}={globals()[name]} must be at least 1")
-for name in ("max_iters", "warmup_iters", "learning_rate", "min_lr", "weight_decay", "grad_clip", "max_skipped_steps",
-             "min_wrap_params"):
-    if globals()[name] < 0:  # (grad_clip=-1, say, would train unclipped, silently)
-        fail(f"{name}={globals()[name]} is negative")
-for name in ("dropout", "beta1", "beta2"):
-    if not 0 <= globals()[name] < 1:
-        fail(f"{name}={globals()[name]} is outside [0, 1)")
-if n_embd % n_head:
-    fail(f"n_embd={n_embd} is not divisible by n_head={n_head}")
-if not 0 <= seed < 2**44:  # (the initialization draws from seeds of 64 bits made from it: model.py)
-    fail(f"seed={seed} is outside 0..2**44-1 (the data, the initialization and dropout derive their seeds from it)")
-if decay_lr and not (warmup_iters < lr_decay_iters and min_lr <= learning_rate):
-    fail(f"the learning-rate schedule needs warmup_iters < lr_decay_iters and min_lr <= learning_rate "
-         f"(got {warmup_iters}, {lr_decay_iters}, {min_lr}, {learning_rate})")
-if not out_dir:
-    fail("out_dir is empty: name a directory ('.' for this one)")
-if os.path.lexists(out_dir) and not os.path.isdir(out_dir):
-    fail(f"out_dir {out_dir} is a file, not a directory")
-if not creatable(out_dir):  # (created before the first write, so a refused run leaves nothing behind)
-    fail(f"out_dir {out_dir} is not writable")
+problem = training.problem(config)
+if problem:
+    fail(problem)
 # distributed setup: torchrun sets RANK/WORLD_SIZE; a plain `python train.py` is one process
 rank, world_size, device = init_distributed(dist_backend, backend, device, dist_timeout_s)
 config["device"] = device
@@ -189,7 +86,7 @@ if deterministic:  # for comparing backends, not for speed
 
 # data: the batch of (iteration i, global micro-batch k) depends on (seed, i, k) alone, so every
 # world size and backend trains on the same tokens, and a resumed run on the same as an unbroken one
-data_dir = data_dir or os.path.join("data", dataset)
+data_dir = training.data_folder(config)
 data_files = {}  # split -> (open file descriptor, tokens)
 for split in ("train", "val"):
     path = os.path.join(data_dir, f"{split}.bin")
@@ -251,13 +148,9 @@ if init_from != "resume" and not eval_only:  # a new run: out_dir must not hold 
     if os.path.exists(checkpoint.export_path(out_dir)):
         fail(f"{out_dir} holds another run's exported model ({checkpoint.EXPORT}): a new run there would mix its "
              "checkpoints and metrics with that run's; choose another out_dir")
-data_vocab = 50257  # the data's token ids are below this: GPT-2's BPE, unless meta.pkl says otherwise
-if os.path.exists(os.path.join(data_dir, "meta.pkl")):
-    import pickle
-    with open(os.path.join(data_dir, "meta.pkl"), "rb") as f:
-        data_vocab = pickle.load(f)["vocab_size"]
+data_vocab = training.data_vocab(data_dir)  # the data's token ids are below this
 if init_from == "scratch":
-    model_args["vocab_size"] = data_vocab if data_vocab != 50257 else 50304  # (BPE padded: faster matmuls)
+    model_args["vocab_size"] = training.new_model_vocab(data_vocab)
 elif init_from == "resume":
     try:
         ckpt_path, manifest = checkpoint.load_manifest(out_dir)
@@ -365,17 +258,6 @@ def get_lr(it):
     return min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (learning_rate - min_lr)
 
 
-def seed_dropout(*key):
-    """Seed the generator dropout draws from by (seed, *key), as get_batch draws its batch, in a
-    stream of its own (spawn_key: not the bits get_batch's generator starts from): the CPU's, and
-    the GPU's on CUDA. (torch.manual_seed would also queue a seed, with a formatted stack, for every
-    device type not yet in use: 60 us per call, at each micro-step.)"""
-    s = int(np.random.SeedSequence((seed, *key), spawn_key=(1,)).generate_state(1, np.uint64)[0])
-    torch.default_generator.manual_seed(s)
-    if device_type == "cuda":
-        torch.cuda.manual_seed(s)  # (this process's GPU, in use by now: seeded at once)
-
-
 peak_flops = observe.peak_flops(torch.cuda.get_device_name(), dtype) if device_type == "cuda" else None
 
 if wandb_log and master:
@@ -449,6 +331,44 @@ def report_last_step():
             print(f"iter {row['iter']}: loss {loss_mean:.4f}, time {row['dt_ms']:.2f}ms{mfu_text}")
 
 
+def update_or_skip(loss_sum, grad_norm):
+    """Whether this step updates the weights, asked after clipping. 'stop' exits on a bad step
+    without saving anything, so it updates without looking: the host queues the step whole, and
+    looks (one wait for the device, for both numbers) one step later. 'skip' must look first."""
+    global read_step, skipped_in_a_row
+    read_step = read_when_done(loss_sum, grad_norm)
+    if on_nonfinite == "stop":
+        return True
+    loss_total, grad_norm = read_step()
+    if finite_step(loss_total / world_size, grad_norm):
+        skipped_in_a_row = 0
+        return True
+    skipped_in_a_row += 1
+    if skipped_in_a_row > max_skipped_steps:  # a bad batch passes; a diverged model does not
+        fail(f"{skipped_in_a_row} steps in a row had a non-finite loss or grad norm (iteration {iter_num}): "
+             f"skipping does not recover; {checkpoints_kept()}")
+    if master:
+        print(f"iter {iter_num}: non-finite loss {loss_total / world_size} or grad norm {grad_norm}: step skipped")
+        log_metrics(iter=iter_num, event="skipped_nonfinite")
+    return False
+
+
+def report_memory():
+    """The step's memory reports, before zero_grad, so that the gradients are counted beside the
+    parameters and optimizer state; their time (an all-reduce, a walk over the state) is left out
+    of the step's (report_s). The last one holds the training peak, before the final evaluation
+    and save."""
+    global report_s
+    comm.add_step()  # (the memory reports' own all-reduce is not training traffic)
+    stages = [stage for stage, due in (("after first step", len(memory_rows) == 1),
+                                       ("after last step", iter_num == max_iters - 1)) if due]
+    if stages and device_type == "cuda":
+        torch.cuda.synchronize()  # (a report waits for the device: what this step queued is in its time)
+    report_s = time.time()
+    memory_rows.extend(obs.memory(stage, model, optimizer) for stage in stages)
+    report_s = time.time() - report_s
+
+
 # training loop: iterations iter_num .. max_iters-1; evaluate (and checkpoint) every eval_interval
 last_step = None  # (row, read): the last step, not yet reported
 start_iter = iter_num  # a checkpoint of this iteration exists already (or it is 0)
@@ -489,61 +409,11 @@ while True:
     obs.before_step()  # (before the clock: the profiler, when its window opens, starts outside the step)
     t0 = time.time()  # the step's time: not the evaluation and checkpoint above, which are not training
 
-    # one optimizer step over the global batch: this rank's micro-batches, gradients
-    # communicated on the last one only
     comm.take()  # drop what evaluation and checkpointing issued
-    loss_sum = torch.zeros((), device=device)
-    for micro_step in range(local_steps):
-        k = rank * local_steps + micro_step  # global micro-batch index
-        with obs.host_time("batch"):
-            X, Y = get_batch("train", iter_num, k)
-        with obs.host_time("forward_backward"):
-            if dropout:  # (42 us a call: not paid where nothing draws)
-                seed_dropout(iter_num, k)  # dropout masks, fixed like the data
-            back.set_grad_sync(model, micro_step == local_steps - 1)
-            with back.autocast():
-                # [1]: keep the loss, drop the logits (at GPT-2 size 1.2 GB that would otherwise
-                # stay alive through the next micro-step's forward)
-                loss = model(X, Y)[1] / local_steps  # mean over this rank's micro-batches; ranks average grads
-            back.backward(loss)
-            loss_sum += loss.detach()
-    if world_size > 1:
-        dist.all_reduce(loss_sum)  # exact mean over the global batch, not rank 0's share
-    with obs.host_time("clip"):
-        grad_norm = back.clip_grad_norm(optimizer, grad_clip)
-    read_step = read_when_done(loss_sum, grad_norm)
-    if on_nonfinite == "stop":
-        # 'stop' exits on a bad step without saving anything, so it steps without looking: the host
-        # queues this step whole, and looks (one wait for the device, for both numbers) one step later
-        with obs.host_time("optimizer"):
-            back.step(optimizer)
-    else:  # 'skip' must look first
-        loss_total, grad_norm = read_step()
-        if finite_step(loss_total / world_size, grad_norm):
-            skipped_in_a_row = 0
-            with obs.host_time("optimizer"):
-                back.step(optimizer)
-        else:
-            skipped_in_a_row += 1
-            if skipped_in_a_row > max_skipped_steps:  # a bad batch passes; a diverged model does not
-                fail(f"{skipped_in_a_row} steps in a row had a non-finite loss or grad norm (iteration {iter_num}): "
-                     f"skipping does not recover; {checkpoints_kept()}")
-            back.skip_step(optimizer)
-            if master:
-                print(f"iter {iter_num}: non-finite loss {loss_total / world_size} or grad norm {grad_norm}: step skipped")
-                log_metrics(iter=iter_num, event="skipped_nonfinite")
-    comm.add_step()  # (the memory reports' own all-reduce is not training traffic)
-    # memory reports before zero_grad, so that the gradients are counted beside the parameters and
-    # optimizer state; their time (an all-reduce, a walk over the state) is left out of the step's. The
-    # last one holds the training peak, before the final evaluation and save
-    stages = [stage for stage, due in (("after first step", len(memory_rows) == 1),
-                                       ("after last step", iter_num == max_iters - 1)) if due]
-    if stages and device_type == "cuda":
-        torch.cuda.synchronize()  # (a report waits for the device: what this step queued is in its time)
-    report_s = time.time()
-    memory_rows += [obs.memory(stage, model, optimizer) for stage in stages]
-    report_s = time.time() - report_s
-    optimizer.zero_grad(set_to_none=True)
+    # one optimizer step over the global batch: this rank's micro-batches, gradients communicated
+    # on the last one only, clipping, the update (training.train_step: the step plan.py plans)
+    training.train_step(config, back, model, optimizer, local_steps, functools.partial(get_batch, "train"),
+                        iter_num, rank, timed=obs.host_time, update=update_or_skip, before_zero_grad=report_memory)
     report_last_step()  # (in this step's time: the wait is for the device, which ran the last one)
     dt = time.time() - t0 - report_s
     obs.after_step()  # (after the clock: the trace, at the window's end, is written outside the step)

@@ -186,19 +186,18 @@ def launch(nproc, script, args=(), timeout=600, env=None, cwd=None, stream=None)
 # ---- the rehearsal of train.py ------------------------------------------------------------------
 
 def train_settings(argv):
-    """train.py's settings after its config files and --key=value args, as train.py reads them
-    (plan.py runs train.py's own settings block)."""
-    import plan
-    return plan.train_settings(argv)
+    """train.py's settings after its config files and --key=value args, as train.py reads them."""
+    import training
+    return training.settings(argv)
 
 
 def parameter_count(settings):
     """Parameters of the model the settings describe, built on the meta device (no memory), with
-    the vocabulary train.py takes (plan.vocab_size)."""
+    the vocabulary train.py takes."""
     import torch
+    import training
     from model import GPT, GPTConfig
-    from plan import vocab_size
-    vocab = vocab_size(settings)
+    vocab = training.vocab_size(settings)
     shape = {k: settings[k] for k in ("n_layer", "n_head", "n_embd", "block_size", "bias")}
     with torch.device("meta"):
         model = GPT(GPTConfig(**shape, vocab_size=vocab))
@@ -219,8 +218,9 @@ def planned(train_args, nproc):
     """plan.py's row for train.py's run at nproc ranks: rank 0's, whose shards are the largest
     (under cpu_offload, the GPU's side)."""
     import plan
-    settings = plan.train_settings(train_args)
-    settings["vocab_size"] = plan.vocab_size(settings)
+    import training
+    settings = train_settings(train_args)
+    settings["vocab_size"] = training.vocab_size(settings)
     return plan.in_child(plan.plan, settings, settings["dist_backend"], nproc, 0)
 
 

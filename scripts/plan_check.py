@@ -25,6 +25,7 @@ sys.path.insert(0, str(REPO / "scripts"))
 import bench  # noqa: E402
 import fakehosts  # noqa: E402
 import plan  # noqa: E402
+import training  # noqa: E402
 
 MiB = 2**20
 # each run: two steps as train.py takes them, nothing else that allocates (no evaluation, no checkpoint)
@@ -107,8 +108,8 @@ def measured(backend, world, args, timeout, log):
 
 def planned(backend, world, args):
     """The largest planned CUDA allocated and reserved bytes over the ranks, and their rows."""
-    settings = plan.train_settings(args + STEPS + [f"--gradient_accumulation_steps={world}"])
-    settings["vocab_size"] = plan.vocab_size(settings)
+    settings = training.settings(args + STEPS + [f"--gradient_accumulation_steps={world}"])
+    settings["vocab_size"] = training.vocab_size(settings)
     settings["compile"] = False
     rows = [plan.in_child(plan.plan, settings, backend, world, rank) for rank in range(world)]
     return max(rows, key=lambda r: r["cuda_allocated_bytes"]), max(rows, key=lambda r: r["reserved_bytes"])

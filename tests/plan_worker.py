@@ -31,6 +31,7 @@ from torch.utils._pytree import tree_flatten
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import observe  # noqa: E402
 import plan  # noqa: E402
+import training  # noqa: E402
 
 
 def done(result):
@@ -111,8 +112,8 @@ def measured_peak(prof):
 
 
 def case(backend, world, rank, argv):
-    settings = plan.train_settings(argv)
-    settings["vocab_size"] = plan.vocab_size(settings)
+    settings = training.settings(argv)
+    settings["vocab_size"] = training.vocab_size(settings)
     planned, planned_state, _ = plan.run(settings, backend, world, rank)
     gc.collect()  # (an earlier case's tensors freed inside this one's window would lower its count)
     prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
@@ -144,15 +145,15 @@ class PythonAPICollectives(observe.CommCounter):
 OBSERVED = []
 
 
-def step_tallied(*args, train_step=plan.train_step, **kwargs):
-    """plan.train_step, with the tallies restarted: what is left in them after a run is the last step's."""
+def step_tallied(*args, train_step=training.train_step, **kwargs):
+    """The training step, with the tallies restarted: what is left in them after a run is the last step's."""
     TALLY.clear()
     for observed in OBSERVED:
         observed.take()
     return train_step(*args, **kwargs)
 
 
-plan.train_step = step_tallied
+training.train_step = step_tallied
 
 
 def main():
