@@ -143,6 +143,56 @@ def test_sharding_divides_the_state(report):
     assert states[1] > states[2] > states[4] >= states[1] / 4
 
 
+# The training step changed in its one place, training.train_step: each call logged with its
+# caller's file and iteration, and HELD bytes more held through it. The script plans ddp at W=1 before
+# and after the change, then runs train.py, changed, on the CPU allocator's ledger (tests/ledger.py)
+HELD = 2**20
+STEP_CHANGED = """
+import inspect, json, os, runpy, sys
+repo, folder, held, *args = sys.argv[1:]
+sys.path.insert(0, repo)
+import torch
+import plan, training
+settings = training.settings(args)
+settings["vocab_size"] = training.vocab_size(settings)
+planned = [plan.in_child(plan.plan, settings, "ddp", 1, 0)["peak_allocated_bytes"]]
+step = training.train_step
+
+def changed_step(*step_args, **kwargs):
+    caller = os.path.basename(sys._getframe(1).f_code.co_filename)
+    iter_num = inspect.signature(step).bind(*step_args, **kwargs).arguments["iter_num"]
+    with open(os.path.join(folder, "steps.log"), "a") as log:
+        log.write(f"{caller} {iter_num}\\n")
+    kept = torch.empty(int(held), dtype=torch.uint8)  # (freed as the step returns)
+    return step(*step_args, **kwargs)
+training.train_step = changed_step
+planned.append(plan.in_child(plan.plan, settings, "ddp", 1, 0)["peak_allocated_bytes"])
+with open(os.path.join(folder, "planned.json"), "w") as f:
+    json.dump(planned, f)
+sys.argv = [os.path.join(repo, "tests", "ledger.py"), os.path.join(folder, "train"), os.path.join(repo, "train.py"), *args]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def test_train_py_and_the_plan_take_the_one_step(char_data, tmp_path):
+    """train.py and plan.py both run training.train_step, once per step. Changed there, the plan
+    grows by exactly the bytes the change holds, and train.py's real peak (the allocator's ledger)
+    follows: it is the changed plan less the batch, which train.py reads through numpy, within
+    train.py's few metric scalars (under 64 bytes)."""
+    args = [*MODEL, f"--data_dir={char_data}", "--device=cpu", "--dist_backend=ddp", f"--out_dir={tmp_path / 'out'}",
+            "--max_iters=2", "--eval_iters=0", "--eval_interval=1000", "--keep_checkpoints=0"]
+    res = new_interpreter([sys.executable, "-c", STEP_CHANGED, REPO, tmp_path, HELD, *args], timeout=180)
+    ledger = tmp_path / "train.rank0.log"
+    assert res.returncode == 0, res.describe() + (ledger.read_text()[-3000:] if ledger.exists() else "")
+    calls = (tmp_path / "steps.log").read_text().splitlines()
+    assert calls == ["plan.py 0", "plan.py 1", "train.py 0", "train.py 1"], calls
+    plain, changed = json.loads((tmp_path / "planned.json").read_text())
+    assert changed == plain + HELD, (plain, changed)
+    peak = max(int(total) for total in re.findall(r"total alloc (\d+) bytes", ledger.read_text()))
+    batch = 2 * 4 * 32 * 8  # (x and y, int64)
+    assert changed - batch - 64 <= peak <= changed - batch + 64, (plain, changed, peak)
+
+
 def test_plan_prints_a_table_and_writes_json(tmp_path, data):
     out = tmp_path / "plan.json"
     res = new_interpreter([sys.executable, REPO / "plan.py", "--dist_backend=custom_fsdp", "--nproc=1,2", *MODEL,
