@@ -37,6 +37,7 @@ import sys
 import time
 import weakref
 from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -94,6 +95,16 @@ def split_argv(argv):
 
 
 # ---- counting ---------------------------------------------------------------------------------
+@dataclass(slots=True)
+class LiveStorage:
+    """A storage the counter holds as allocated: its bytes now (a resize changes them), the weak
+    reference whose callback frees it (None for a buffer no op returns), and its number, which
+    names it in the trace."""
+    nbytes: int
+    ref: weakref.ref | None
+    number: int
+
+
 class Allocations(TorchDispatchMode):
     """Every storage allocation, resize and free under it, as the allocator sees them: an op's
     output on a storage not seen before is an allocation of its bytes; a storage seen before whose
@@ -105,7 +116,7 @@ class Allocations(TorchDispatchMode):
 
     def __init__(self):
         super().__init__()
-        self.live = {}  # storage id -> [bytes, weakref]
+        self.live = {}  # storage id -> LiveStorage
         self.allocated = self.peak = 0
         self.where = "setup"
         self.peak_where, self.peak_live = "setup", {}
@@ -121,7 +132,7 @@ class Allocations(TorchDispatchMode):
         self.trace = []  # (storage number, its bytes now: 0 once freed), for the caching allocator's model
         self.marks = []  # (index in the trace, where): each phase's start
         self.peak_index = 0  # the trace's length at the peak
-        self.live_ids = []  # (one slot per storage ever seen: its number)
+        self.storages_seen = 0  # (the next storage's number)
         self.host_numbers = set()  # storages of the state (STATE_ROLES), which CPU offload keeps in host memory
         self.collectives = []  # (index in the trace, kind, where): each collective as the step issues it
         self.units = []  # (index in the trace, where): a block's forward or backward begins
@@ -181,25 +192,25 @@ class Allocations(TorchDispatchMode):
         entry = self.live.get(key)
         if entry is None:
             if new:  # (also when empty: FSDP makes its gathered buffers empty, then resizes them)
-                self.live[key] = [nbytes, weakref.ref(storage, lambda _, key=key: self._freed(key)), len(self.live_ids)]
-                self.live_ids.append(None)
-                self.trace.append((self.live[key][2], nbytes))
-                self._change(nbytes)
-        elif entry[0] != nbytes:
-            self.trace.append((entry[2], nbytes))
-            self._change(nbytes - entry[0])
-            entry[0] = nbytes
+                self._allocate(key, nbytes, weakref.ref(storage, lambda _, key=key: self._freed(key)))
+        elif entry.nbytes != nbytes:
+            self.trace.append((entry.number, nbytes))
+            self._change(nbytes - entry.nbytes)
+            entry.nbytes = nbytes
+
+    def _allocate(self, key, nbytes, ref):
+        entry = self.live[key] = LiveStorage(nbytes, ref, self.storages_seen)
+        self.storages_seen += 1
+        self.trace.append((entry.number, nbytes))
+        self._change(nbytes)
 
     def hold(self, nbytes):
         """A buffer no op returns (gloo's, beside a collective), counted as communication from now
-        until release(key) with the key returned."""
-        key = ("held", len(self.live_ids))
-        self.live[key] = [nbytes, None, len(self.live_ids)]
-        self.live_ids.append(None)
+        until _freed(key) with the key returned."""
+        key = ("held", self.storages_seen)
         self.comm_storages.add(key)
-        self._note_role(self.live[key][2], "communication")
-        self.trace.append((self.live[key][2], nbytes))
-        self._change(nbytes)
+        self._note_role(self.storages_seen, "communication")
+        self._allocate(key, nbytes, None)
         return key
 
     def _freed(self, key):
@@ -207,8 +218,8 @@ class Allocations(TorchDispatchMode):
         entry = self.live.pop(key, None)
         self.comm_storages.discard(key)
         if entry is not None:
-            self.trace.append((entry[2], 0))
-            self._change(-entry[0])
+            self.trace.append((entry.number, 0))
+            self._change(-entry.nbytes)
 
     def _change(self, delta):
         if delta < 0:
@@ -222,12 +233,12 @@ class Allocations(TorchDispatchMode):
         """Record what is live at the peak just reached (called before the first free after it)."""
         if self.after_peak:
             self.after_peak = False
-            self.peak_live = {v[2]: v[0] for v in self.live.values()}  # (by storage number)
+            self.peak_live = {entry.number: entry.nbytes for entry in self.live.values()}  # (by storage number)
             self.peak_roles = self.note_roles()
 
     def note_roles(self):
         """{storage number: role} of the live storages roles() names now, each kept in role_of too."""
-        now = {self.live[k][2]: role for k, role in (self.roles() if self.roles else {}).items() if k in self.live}
+        now = {self.live[k].number: role for k, role in (self.roles() if self.roles else {}).items() if k in self.live}
         for number, role in now.items():
             self._note_role(number, role)
         return now
@@ -311,7 +322,7 @@ class Allocations(TorchDispatchMode):
             key = t.untyped_storage()._cdata
             self.comm_storages.add(key)
             if key in self.live:
-                self._note_role(self.live[key][2], "communication")
+                self._note_role(self.live[key].number, "communication")
 
     def count_collective(self, kind, nbytes, group_size):
         """Its bytes, and its bus bytes: what each rank's link carries (nccl-tests' busbw is these
@@ -392,6 +403,16 @@ def plain_tensors(t):
     return [x for t in inner if isinstance(t, torch.Tensor) for x in plain_tensors(t)]
 
 
+@dataclass(slots=True, eq=False)
+class Block:
+    """A block of the caching allocator's model: bytes `size` at `offset` in segment `segment`, of
+    the small pool or the large one. (Compared by identity: blocks of a pool never overlap.)"""
+    segment: int
+    offset: int
+    size: int
+    small: bool
+
+
 class CachingAllocatorModel:
     """CUDA's caching allocator (c10/cuda/CUDACachingAllocator.cpp, its defaults) replayed over a
     plan's allocations, on one stream: sizes rounded up to 512 bytes; requests up to 1 MiB served
@@ -404,8 +425,7 @@ class CachingAllocatorModel:
         2**20, 512, 2 * 2**20, 20 * 2**20, 10 * 2**20, 2 * 2**20)
 
     def __init__(self):
-        self.free = {True: [], False: []}  # small pool?: [block]; a block: [segment, offset, size]
-        self.neighbours = {}  # segment id -> sorted list of its blocks [offset, size, free]
+        self.free = {True: [], False: []}  # small pool?: its free blocks
         self.blocks = {}  # storage number -> its block
         self.allocated = self.reserved = self.peak_allocated = 0
         self.segments = 0
@@ -422,33 +442,33 @@ class CachingAllocatorModel:
     def _malloc(self, nbytes):
         size = max(self.MIN_BLOCK, -(-nbytes // self.MIN_BLOCK) * self.MIN_BLOCK)
         small = size <= self.SMALL
-        fits = [b for b in self.free[small] if b[2] >= size]
+        fits = [b for b in self.free[small] if b.size >= size]
         if fits:
-            block = min(fits, key=lambda b: (b[2], b[0], b[1]))
+            block = min(fits, key=lambda b: (b.size, b.segment, b.offset))
             self.free[small].remove(block)
         else:
             segment = self.SMALL_SEGMENT if small else (
                 self.LARGE_SEGMENT if size < self.MIN_LARGE else -(-size // self.ROUND_LARGE) * self.ROUND_LARGE)
             self.reserved += segment
             self.segments += 1
-            block = [self.segments, 0, segment]
-        rest = block[2] - size
+            block = Block(self.segments, 0, segment, small)
+        rest = block.size - size
         if rest >= self.MIN_BLOCK if small else rest > self.SMALL:
-            self.free[small].append([block[0], block[1] + size, rest])
-            block = [block[0], block[1], size]
-        block.append(small)
-        self.allocated += block[2]
+            self.free[small].append(Block(block.segment, block.offset + size, rest, small))
+            block = Block(block.segment, block.offset, size, small)
+        self.allocated += block.size
         self.peak_allocated = max(self.peak_allocated, self.allocated)
         return block
 
     def _release(self, block):
-        segment, offset, size, small = block
+        segment, offset, size, small = block.segment, block.offset, block.size, block.small
         self.allocated -= size
         pool = self.free[small]
-        for other in [b for b in pool if b[0] == segment and (b[1] + b[2] == offset or offset + size == b[1])]:
+        for other in [b for b in pool if b.segment == segment
+                      and (b.offset + b.size == offset or offset + size == b.offset)]:
             pool.remove(other)
-            offset, size = min(offset, other[1]), size + other[2]
-        pool.append([segment, offset, size])
+            offset, size = min(offset, other.offset), size + other.size
+        pool.append(Block(segment, offset, size, small))
 
 
 def storage_id(t):
@@ -567,7 +587,7 @@ def steps(counter, settings, back, model, local_steps, fake):
             counter.where = f"step {step + 1} {where}"
             counter.marks.append((len(counter.trace), counter.where))
             if where == "zero_grad":  # the gradients are still there
-                counter.host_numbers.update(counter.live[key][2] for key, role in counter.roles().items()
+                counter.host_numbers.update(counter.live[key].number for key, role in counter.roles().items()
                                             if role in STATE_ROLES and key in counter.live)
                 if step == 1:
                     state.append(state_bytes(optimizer))
