@@ -38,6 +38,7 @@ import time
 import weakref
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
+from typing import Callable, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -921,20 +922,46 @@ def draw_timelines(timelines, settings, path):
     plt.close(fig)
 
 
+def gib(n):
+    """Bytes in GiB, as the table shows them."""
+    return f"{n / 2**30:,.2f}"
+
+
+class Column(NamedTuple):
+    """A column of plan.py's table: its name, the format spec of the name and of each cell, and a
+    row's cell; `answers` columns show only when a GPU's memory is given."""
+    name: str
+    spec: str
+    cell: Callable
+    answers: bool = False
+
+
+TABLE_COLUMNS = (
+    Column("backend", "<12", lambda r: r["backend"]),
+    Column("W", ">5", lambda r: r["nproc"]),
+    Column("rank", ">4", lambda r: r["rank"]),
+    Column("peak GiB", ">9", lambda r: gib(r["peak_allocated_bytes"])),
+    Column("reserve", ">9", lambda r: gib(r["reserved_bytes"])),
+    Column("state GiB", ">9", lambda r: gib(r["state_bytes"])),
+    Column("comm GiB", ">9", lambda r: gib(sum(r["comm_bytes_per_step"].values()))),
+    Column("comm ms", ">8", lambda r: f"{r['comm_seconds_per_step'] * 1e3:,.1f}"),
+    Column("headroom", ">8", lambda r: gib(r["headroom_bytes"]), answers=True),
+    Column("max batch", ">9", lambda r: r["max_batch_size"], answers=True),
+    Column("peak at", "", lambda r: r["peak_at"]),  # (free text, last)
+)
+
+
+def table_line(columns, cells):
+    """The cells under their columns, one space apart; the last, free text, two spaces after."""
+    *aligned, last = (f"{cell:{column.spec}}" for column, cell in zip(columns, cells))
+    return " ".join(aligned) + "  " + last
+
+
 def table(rows, settings, limit, gloo=False):
-    def gib(n):
-        return f"{n / 2**30:,.2f}"
     answers = limit is not None
-    head = (f"{'backend':<12} {'W':>5} {'rank':>4} {'peak GiB':>9} {'reserve':>9} {'state GiB':>9} {'comm GiB':>9}"
-            f" {'comm ms':>8}")
-    lines = [head + (f" {'headroom':>8} {'max batch':>9}" if answers else "") + "  peak at"]
-    for r in rows:
-        line = (f"{r['backend']:<12} {r['nproc']:>5} {r['rank']:>4} {gib(r['peak_allocated_bytes']):>9} "
-                f"{gib(r['reserved_bytes']):>9} {gib(r['state_bytes']):>9} {gib(sum(r['comm_bytes_per_step'].values())):>9}"
-                f" {r['comm_seconds_per_step'] * 1e3:>8,.1f}")
-        if answers:
-            line += f" {gib(r['headroom_bytes']):>8} {r['max_batch_size']:>9}"
-        lines.append(line + "  " + r["peak_at"])
+    columns = [c for c in TABLE_COLUMNS if answers or not c.answers]
+    lines = [table_line(columns, [c.name for c in columns])]
+    lines += [table_line(columns, [c.cell(r) for c in columns]) for r in rows]
     lines.append(f"\nbatch_size={settings['batch_size']}, block_size={settings['block_size']}, dtype={settings['dtype']}; "
                  "a rank's micro-steps: gradient_accumulation_steps / W")
     lines.append("(one where W does not divide it: memory depends on the micro-batch; the job needs a multiple of W).")
