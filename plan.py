@@ -49,7 +49,6 @@ import configurator
 import training
 from backends import BACKENDS, BackendError, DDPBackend, make_backend
 from model import GPT, GPTConfig
-from training import settings as train_settings, vocab_size  # (train.py's, by the names scripts/figures.py reads)
 
 PLAN_FLAGS = {"nproc": "1,2,4,8", "rank": 0, "json": "", "png": "", "gpu": "", "gpu_mem_gib": "", "busbw_gbps": "",
               "timeline": "", "timeline_json": ""}  # plan.py's own settings, beside train.py's
@@ -794,11 +793,11 @@ def main(argv):
     given_backend = any(a.startswith("--dist_backend=") for a in rest)
     def given(key):  # on the command line or in a config file
         return any(a.startswith(f"--{key}=") if a.startswith("--") else key in configurator.run_file(a) for a in rest)
-    settings = train_settings(rest)
+    settings = training.settings(rest)
     if not given("dtype"):
         settings["dtype"] = "bfloat16"  # (what train.py takes on the GPUs plans are for)
     gloo = given("device") and settings["device"] == "cpu"  # (a CPU run: its collectives go through gloo)
-    settings["vocab_size"] = vocab_size(settings)
+    settings["vocab_size"] = training.vocab_size(settings)
     compiled, settings["compile"] = settings["compile"], False  # (torch.compile's kernels: not planned)
     backends = [settings["dist_backend"]] if given_backend else list(BACKENDS)
     if settings["cpu_offload"] and not given_backend:  # (DDP does not offload: plan(ddp) refuses it)

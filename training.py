@@ -178,7 +178,7 @@ def seed_dropout(s, *key):
     """Seed the generator dropout draws from by (seed, *key), as train.py's batches are drawn, in a
     stream of its own (spawn_key: not the bits the batch's generator starts from): the CPU's, and
     the GPU's on CUDA. (torch.manual_seed would also queue a seed, with a formatted stack, for every
-    device type not yet in use: 60 us per call, at each micro-step.)"""
+    device type not yet in use, costing host time at each micro-step.)"""
     seed = int(np.random.SeedSequence((s["seed"], *key), spawn_key=(1,)).generate_state(1, np.uint64)[0])
     torch.default_generator.manual_seed(seed)
     if s["device"].startswith("cuda"):
@@ -199,7 +199,7 @@ def train_step(s, back, model, optimizer, local_steps, batch, iter_num, rank, ti
         with timed("batch"):
             X, Y = batch(iter_num, k)
         with timed("forward_backward"):
-            if s["dropout"]:  # (42 us a call: not paid where nothing draws)
+            if s["dropout"]:  # (host time per micro-step: not paid where nothing draws)
                 seed_dropout(s, iter_num, k)  # dropout masks, fixed like the data
             back.set_grad_sync(model, micro_step == local_steps - 1)
             mark(f"forward {micro_step}")

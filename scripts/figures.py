@@ -33,6 +33,7 @@ HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, HERE)
 import overlap  # noqa: E402
 import plan  # noqa: E402
+import training  # noqa: E402
 
 GIB = 2**30
 BLOCK_BEGIN, BLOCK_END = "<!-- figures.py: {} -->", "<!-- /figures.py -->"
@@ -186,8 +187,8 @@ def memory(fig):
                   "7B": (MODELS["7B"], [1, 2, 4, 8, 64], {64: "fsdp"})}
     rows, plans, timeline_json = [], os.path.join(fig.work, "plan.json"), os.path.join(fig.work, "timeline.json")
     for model, (settings, worlds, drawn) in models.items():
-        shape = plan.train_settings(settings)
-        shape["vocab_size"] = plan.vocab_size(shape)
+        shape = training.settings(settings)
+        shape["vocab_size"] = training.vocab_size(shape)
         parameters = sum(p.numel() for p in plan.meta_model(shape).parameters())
         for w in worlds:
             name = f"memory-{model}-w{w}"
@@ -328,8 +329,8 @@ def weak_scaling(fig):
                                    "--wrap_policy=block", f"--json={path}"])
         commands.append(fig.commands["weak-scaling"][-1])
         (row,) = json.load(open(path))
-        shape = plan.train_settings([f"--n_layer={per_w * w}", *width, *micro])
-        shape["vocab_size"] = plan.vocab_size(shape)
+        shape = training.settings([f"--n_layer={per_w * w}", *width, *micro])
+        shape["vocab_size"] = training.vocab_size(shape)
         row |= {"n_layer": per_w * w, "parameters": sum(p.numel() for p in plan.meta_model(shape).parameters())}
         if w <= (2 if fig.small else 4):
             bench_path = os.path.join(fig.work, f"weak-bench-{w}.json")
