@@ -48,6 +48,7 @@ from torch.utils._pytree import tree_flatten
 import configurator
 import training
 from backends import BACKENDS, BackendError, DDPBackend, make_backend
+from fsdp_impl.comm import collective_bytes
 from model import GPT, GPTConfig
 
 PLAN_FLAGS = {"nproc": "1,2,4,8", "rank": 0, "json": "", "png": "", "gpu": "", "gpu_mem_gib": "", "busbw_gbps": "",
@@ -315,8 +316,7 @@ class Allocations(TorchDispatchMode):
                  else dist.ProcessGroup.unbox(group))
         if group.size() > 1:
             self.groups.add(group.group_name)
-        big = max(tensors, key=lambda t: t.numel() * t.element_size())
-        self.count_collective(kind, big.numel() * big.element_size(), group.size())
+        self.count_collective(kind, collective_bytes(tensors), group.size())
         self.collectives.append((len(self.trace), kind, self.where))
         for t in tensors:
             key = t.untyped_storage()._cdata
@@ -362,12 +362,11 @@ class GlooBuffers:
 
         def issue(*args, **kwargs):
             tensors = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)]
-            big = max(tensors, key=lambda t: t.numel() * t.element_size())
             work = collective(*args, **kwargs)
             group = kwargs.get("group") or next((a for a in args if isinstance(a, dist.ProcessGroup)), None)
             if (group or dist.group.WORLD).size() == 1:
                 return work
-            key = counter.hold(big.numel() * big.element_size())
+            key = counter.hold(collective_bytes(tensors))  # (the gathered output, or the input it copies)
             if work is None:  # (synchronous: done before the call returned)
                 counter._freed(key)
                 return work
@@ -598,7 +597,7 @@ def steps(counter, settings, back, model, local_steps, fake):
         if step == 0:
             counter.steady = counter.allocated
     for bucket in getattr(model, "_planned_ddp_buckets", ()):  # DDP's reducer all-reduces each bucket once a step
-        counter.count_collective("all_reduce", bucket.numel() * bucket.element_size(), back.world_size)
+        counter.count_collective("all_reduce", collective_bytes([bucket]), back.world_size)
     counter.snapshot_if_at_peak()
     counter.roles = None
     return state[0]
