@@ -14,12 +14,10 @@ set_reshard_after_backward(False) in its parity modes zero2 and no_reshard_after
 --reshard_after_forward=False in tests/test_bench.py, its units kept gathered through accumulation in
 tests/test_train.py (tests/accum_worker.py), and on GPUs in tests/test_cuda_multi.py.
 """
-import json
-
 import pytest
 
-from conftest import REPO, launch, launcher
-from test_tensor_parallel import assert_trained_as_fsdp2
+from conftest import REPO
+from test_tensor_parallel import assert_trained_as_fsdp2, worker_report
 
 WORKER = REPO / "tests" / "reshard_worker.py"
 CASES = ["reshard_to_2", "reshard_to_2_bf16_accumulation", "reshard_to_2_frozen_bf16", "hsdp_reshard_to_2"]
@@ -27,11 +25,7 @@ CASES = ["reshard_to_2", "reshard_to_2_bf16_accumulation", "reshard_to_2_frozen_
 
 @pytest.fixture(scope="module")
 def report(tmp_path_factory):
-    out = tmp_path_factory.mktemp("reshard") / "reshard.json"
-    res = launch(launcher(4) + [WORKER, out], timeout=240)
-    if not out.exists():
-        pytest.fail(f"the reshard worker wrote no report: {res.describe()}")
-    return json.loads(out.read_text())
+    return worker_report(tmp_path_factory, WORKER, "reshard")
 
 
 @pytest.mark.parametrize("case", CASES)

@@ -21,13 +21,18 @@ CASES = ["fsdp_over_tp", "fsdp_over_tp_bf16", "fsdp_over_tp_accumulation", "fsdp
          "hsdp_over_tp", "fsdp_over_tp_dim_1", "fsdp_over_tp_dim_1_bf16_accumulation", "hsdp_over_tp_dim_1"]
 
 
+def worker_report(tmp_path_factory, worker, name):
+    """A 4-rank worker's JSON report (tests/mesh_training.py's write_report), launched once per module."""
+    out = tmp_path_factory.mktemp(name) / f"{name}.json"
+    res = launch(launcher(4) + [worker, out], timeout=240)
+    if not out.exists():
+        pytest.fail(f"{worker.name} wrote no report: {res.describe()}")
+    return json.loads(out.read_text())
+
+
 @pytest.fixture(scope="module")
 def report(tmp_path_factory):
-    out = tmp_path_factory.mktemp("tp") / "tp.json"
-    res = launch(launcher(4) + [WORKER, out], timeout=240)
-    if not out.exists():
-        pytest.fail(f"the tensor parallel worker wrote no report: {res.describe()}")
-    return json.loads(out.read_text())
+    return worker_report(tmp_path_factory, WORKER, "tp")
 
 
 def assert_trained_as_fsdp2(report, case):
