@@ -5,9 +5,8 @@ The user-facing API, named like FSDP2's so code written for one runs on the othe
         fully_shard(block)
     fully_shard(model)            # the root: what no nested call took (embeddings, ln_f, lm_head)
 
-fully_shard() turns the module's parameters into sharded DTensors, swaps the module's class
-for one that also derives from FSDPModule (unshard, reshard, set_requires_gradient_sync, ...),
-and registers thin forward hooks that call into the module's ShardedUnit.
+fully_shard() shards the module's parameters, makes its class derive from FSDPModule too, and
+registers thin forward hooks that call into the module's ShardedUnit.
 """
 import functools
 from dataclasses import dataclass
@@ -161,17 +160,14 @@ def _lazy_init(root_module):
 
 
 def _outside_func_transforms():
-    """A forward may run inside a torch.func transform (jvp, say), which wraps the tensors it
-    captures: the units' own bookkeeping (set-up, gathers into the parameters' storage, frees)
-    runs outside it, on the tensors themselves, as FSDP2's does. (Outside a transform, nothing to
-    switch off: the check is far cheaper than the switch, on every unit's hooks.)"""
+    """Inside a torch.func transform (jvp, say) the units' own bookkeeping runs outside it, on the
+    tensors themselves, as FSDP2's does. (Outside one, the check is far cheaper than the switch.)"""
     return torch._C._DisableFuncTorch() if torch._C._are_functorch_transforms_active() else comm.NOTHING
 
 
 def _map_tensors(fn, tree):
-    """fn over the tensors in a module's inputs or outputs. A tensor or a tuple of tensors (the
-    usual case) directly; anything else through torch's walk (FSDP2's too), which also opens
-    dataclasses, unlike pytree, but is slow: it runs per unit and step, on the host's time."""
+    """fn over the tensors in a module's inputs or outputs: a tensor or a tuple of them directly, else
+    through torch's walk (FSDP2's too), which opens dataclasses but is slow on the host's time."""
     if isinstance(tree, torch.Tensor):
         return fn(tree)
     if type(tree) is tuple and all(isinstance(t, torch.Tensor) for t in tree):
@@ -226,10 +222,9 @@ class _InputGradGate(torch.autograd.Function):
 
 
 def _gate_inputs(unit, args, kwargs):
-    """The inputs that require grad, passed through one _InputGradGate: the positional and keyword
-    tensors; only if there are none, those inside containers (which are then rebuilt, as the cast
-    rebuilds them: a module appending to a list it was given would append to a copy). No input
-    requires grad (the root's token ids): no gate, and the end of backward runs its post-backward."""
+    """The inputs that require grad, through one _InputGradGate: positional and keyword tensors, else
+    those inside containers (rebuilt, as the cast rebuilds them). None (the root's token ids): no
+    gate, and the end of backward runs its post-backward."""
     def needs_grad(v):
         return isinstance(v, torch.Tensor) and v.requires_grad
 
@@ -347,9 +342,8 @@ class FSDPModule:
             unit.knobs.requires_all_reduce = requires_all_reduce
 
     def set_gradient_divide_factor(self, factor: float) -> None:
-        """Divide the summed gradients by `factor` instead of averaging them over the ranks (FSDP2's:
-        NCCL's PREMUL_SUM, or SUM and a division after with set_force_sum_reduction_for_comms). For
-        this module's unit only, as FSDP2's."""
+        """Divide the summed gradients by `factor` instead of averaging them over the ranks, for this
+        module's unit only (FSDP2's: PREMUL_SUM, or SUM and a division with sums forced)."""
         for unit in self._units(recurse=False):
             unit.knobs.gradient_divide_factor = factor
 

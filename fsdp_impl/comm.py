@@ -1,10 +1,9 @@
 """
 The collectives, in one place, and the ledger the tests read.
 
-Every collective is issued asynchronously and returns a work handle; the caller decides when to
-wait. On CUDA wait() makes the current stream wait on NCCL's (no host block); on gloo it blocks
-the host until gloo's thread has moved the bytes. The same calls run on gloo and NCCL, so the CPU
-tests exercise what GPU users run.
+Every collective is asynchronous; the caller waits on its handle when it must. On CUDA the wait
+makes the stream wait on NCCL's; on gloo it blocks the host. The same calls run on gloo and NCCL,
+so the CPU tests exercise what GPU users run.
 
 `ledger` counts collectives and bytes and, when `ledger.events` is a list, logs each unit's
 events in order (gathers issued and waited, forward, backward, reductions, frees).
@@ -104,9 +103,8 @@ def all_gather(output, shard, group):
 
 
 def reduce_scatter(output, input, group, op=dist.ReduceOp.AVG):
-    """Reduce `input` (rank-major chunks) over the group, averaging by default; this rank's chunk
-    lands in `output`. With one rank there is nothing to reduce: the caller passes the input as the
-    output."""
+    """Reduce `input` (rank-major chunks) over the group, averaging by default, into this rank's chunk
+    `output`. With one rank nothing is reduced: the caller passes the input as the output."""
     ledger.count("reduce_scatter", input)
     if group.size() == 1:
         if output is not input:
@@ -130,10 +128,9 @@ class ReductionOps(NamedTuple):
 
 @functools.lru_cache(maxsize=None)  # (asked per unit and step: the answer depends on settings alone)
 def reduction_ops(shard_size, replicas, dtype, factor=None, sums_only=False):
-    """How gradients are averaged (ReductionOps), as FSDP2's (_fsdp_collectives.py). In float32 and
-    bfloat16 the collectives divide (AVG, or NCCL's PREMUL_SUM by 1/factor for a custom factor),
-    unless sums_only asks for SUM and a division after. Other dtypes risk overflow: SUM, with the
-    division split before and after."""
+    """How gradients are averaged, as FSDP2's: in float32 and bfloat16 the collectives divide (AVG, or
+    PREMUL_SUM by 1/factor), unless sums_only asks for SUM and a division after. Other dtypes risk
+    overflow: SUM, with the division split before and after."""
     ranks = shard_size * replicas
     if dtype in (torch.float32, torch.bfloat16) and not sums_only:
         if factor is None:

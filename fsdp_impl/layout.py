@@ -28,17 +28,15 @@ def typed_view(flat, start, numel, dtype):
 
 
 class Layout:
-    """A unit's parameters (ParamShard) placed in flat_shard at fully_shard (lay_out_shard), and in
-    the gather's buffer and flat_full at lazy init (lay_out_gather, views_of)."""
+    """Places in flat_shard from fully_shard on; in the gather's buffer and flat_full from lazy init."""
 
     def __init__(self, params, world, post_forward_size=None):
         self.params, self.world, self.post_forward_size = params, world, post_forward_size
         self.lay_out_shard([ps.dtype for ps in params])
 
     def lay_out_shard(self, dtypes):
-        """Each parameter's place in flat_shard (`offset`, `slot`: in flat_shard's elements). One dtype:
-        its elements, back to back. Several (a frozen bf16 base beside fp32 adapters, as in LoRA):
-        bytes, each place starting 16-byte aligned, so that it views as its own dtype."""
+        """Each parameter's `offset` and `slot` in flat_shard's elements; of several dtypes (LoRA's), in
+        bytes, each place 16-byte aligned so that it views as its own dtype."""
         self.mixed = mixed = len(set(dtypes)) > 1
         self.dtype = torch.uint8 if mixed else dtypes[0] if dtypes else torch.float32
         offset = 0
@@ -53,10 +51,9 @@ class Layout:
         return typed_view(flat, ps.offset, ps.local_numel, ps.dtype).view(ps.local_shape)
 
     def lay_out_gather(self, param_dtype):
-        """The gather's dtypes and places. Each parameter is gathered in param_dtype if it is floating
-        point, else its own. One gather dtype over a flat shard of several (LoRA's, with mixed
-        precision): the gather packs their casts into a buffer of its own (`repack`). Several: the
-        gather moves flat_shard's bytes."""
+        """The gather's dtypes and places: param_dtype for floating point parameters, else their own.
+        One gather dtype over a shard of several: their casts packed into a buffer (`repack`);
+        several: flat_shard's bytes."""
         for ps in self.params:
             ps.gather_dtype = param_dtype if param_dtype is not None and ps.dtype.is_floating_point else ps.dtype
         gather_dtypes = {ps.gather_dtype for ps in self.params}

@@ -1,15 +1,12 @@
 """
 The two forms of one managed parameter, split by lifetime (FSDP2's FSDPParam, _fsdp_param.py):
 
-    ParamShard       from fully_shard on: where the modules register the parameter, its place in
-                     the unit's flat buffers (its chunk along its shard dim, padded to
-                     ceil(size / W)), and its sharded form, an nn.Parameter(DTensor) viewing
-                     flat_shard, which the optimizer and state_dict see.
-    UnshardedParam   from the first forward on: the nn.Parameter forward and backward see,
-                     viewing flat_full, and its grads on their way to the reduction.
+    ParamShard       from fully_shard on: where the modules register it, its chunk and places in
+                     the flat buffers, and its sharded nn.Parameter(DTensor) viewing flat_shard
+    UnshardedParam   from the first forward on: the nn.Parameter viewing flat_full, and its grads
 
-A tensor parallel parameter (already a DTensor on a tp mesh) is sharded by its local tensor, as
-FSDP2 does: its sharded DTensor spans the dp and tp dims, its unsharded one the tp dims.
+A tensor parallel parameter is sharded by its local tensor, as FSDP2 does: its sharded DTensor
+spans the dp and tp dims, its unsharded one the tp dims.
 """
 import math
 
@@ -34,9 +31,8 @@ def contiguous_stride(shape):
 
 
 def dtensor_around(local, mesh, placements, shape, stride):
-    """A DTensor whose local tensor is `local` itself, wherever it lives. (DTensor.from_local moves
-    a tensor to the mesh's device type: an offloaded shard in CPU memory would become a GPU copy,
-    which the optimizer would update instead of the flat shard. FSDP2 builds them this way too.)"""
+    """A DTensor whose local tensor is `local` itself, wherever it lives, as FSDP2 builds them:
+    from_local would copy an offloaded shard to the GPU, and the optimizer would update the copy."""
     spec = DTensorSpec(mesh, tuple(placements), tensor_meta=TensorMeta(shape, stride, local.dtype))
     return DTensor(local, spec, requires_grad=False)
 
@@ -80,9 +76,8 @@ class ParamShard:
 
 
 class UnshardedParam:
-    """A parameter's gathered form, from lazy init on: the nn.Parameter forward and backward see
-    (`param`, viewing flat_full; over the tp mesh for a tensor parallel parameter), and its grads
-    on their way to the reduce-scatter."""
+    """A parameter's gathered form, from lazy init on: `param`, viewing flat_full (over the tp mesh
+    for a tensor parallel one), which forward and backward see, and its grads until reduced."""
 
     def __init__(self, view, ps):
         self.tp_spec = ps.tp_spec

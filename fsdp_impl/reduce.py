@@ -1,27 +1,18 @@
 """
-GradReduction: one unit's gradients, from the unsharded grads backward leaves to the sharded
-.grads the optimizer reads. The whole path, in the order it runs:
+GradReduction: one unit's grads, from backward to the sharded .grads, in the order it runs
+(FSDP2's foreach_reduce, _fsdp_collectives.py, which also takes its inputs as arguments):
 
-    post-backward        reduce(): take each unsharded grad (a tensor parallel one's local part),
-        │                adding a sum kept from micro-steps without sync; with sync off, keep them
-        ▼
-    reduce-scatter       [W, S] rank-major (torch._chunk_cat pads each grad to its rows; a grad
-        │                sharded on dim d > 0 first has its chunks along d stacked on dim 0), AVG
-        │                over the shard group, issued; at most one in flight per schedule
-        ▼
+    reduce()             each unsharded grad (a tensor parallel one's local part) plus a sum kept
+        ▼                from micro-steps without sync; with sync off, kept again
+    reduce-scatter       [W, S] rank-major (_chunk_cat pads each grad to its rows; dim d > 0: its
+        ▼                chunks along d stacked first), issued; at most one in flight per root
     finish()             waited when the next unit issues its own, or at the end of backward
-        │
-        ├── HSDP         the shard's sums all-reduced (AVG) over replicas, issued; finish_all_reduce()
-        │                waits at the end of backward. With the all-reduce off, the sums are kept
-        │                and added to the next micro-step's (all_reduce_kept_sums() if it skips the unit)
-        ▼
-    into_sharded_grads() (after set_all_reduce_hook's hook, and the division sum-only reductions leave)
-                         each parameter's rows of the flat result become (or are added to) its
-                         sharded DTensor .grad; offloaded, copied to CPU memory first; then the
-                         parameter's post-accumulate-grad hooks run
+        ├── HSDP         all-reduced over replicas, waited at the end of backward; with the
+        ▼                all-reduce off, kept and added to the next micro-step's sums
+    into_sharded_grads() the hook, the division sums-only reductions leave, then each parameter's
+                         rows become (or add to) its DTensor .grad (offloaded: in CPU memory)
 
 With one rank and no replicas nothing is reduced: the grads are cast into place at once.
-FSDP2's counterpart is foreach_reduce (_fsdp_collectives.py), which takes its inputs as arguments too.
 """
 import functools
 from dataclasses import dataclass
@@ -59,10 +50,8 @@ class ReadByCopyOut(NamedTuple):
 
 
 class Pending:
-    """What the units under one root share while their collectives run: the reductions whose
-    reduce-scatter is in flight (at most one: a unit finishes the previous one before issuing its
-    own), HSDP's all-reduces, the unsharded grads the copy-out stream still reads, and offload's
-    two CUDA streams."""
+    """What a root's units share while collectives run: the reduce-scatter in flight (at most one),
+    HSDP's all-reduces, the grads the copy-out stream still reads, and offload's two CUDA streams."""
 
     def __init__(self):
         self.reductions = []  # GradReductions whose reduce-scatter is in flight
@@ -77,8 +66,7 @@ class Pending:
 
     def hold_until_read(self, tensors, event):
         """Keep `tensors`, which the copy-out stream reads until `event`, alive until the compute stream
-        waits for it: at the next call (a unit later, so the wait seldom stalls) or the end of backward.
-        Freed then, their memory is reused in the compute stream's order, after the read."""
+        waits for it: a unit later (so the wait seldom stalls) or at the end of backward."""
         self.release_read()
         self.read_by_copy_out = ReadByCopyOut(tensors, event)
 
@@ -212,7 +200,8 @@ class GradReduction:
                 self.kept_sums = Collective(None, None, output, params)
                 return
             ledger.log("all_reduce", self.name)
-            self.all_reduce = Collective(comm.all_reduce(output, self.replicate_group, self.ops().all_reduce), output, output, params)
+            work = comm.all_reduce(output, self.replicate_group, self.ops().all_reduce)
+            self.all_reduce = Collective(work, output, output, params)
             self.pending.all_reduces.append(self)
 
     def _add_kept_sums(self, output, params):
@@ -289,9 +278,8 @@ class GradReduction:
                 hook(ps.sharded)
 
     def _copy_out(self, output, adding):
-        """Offload: the reduced grads into (pinned) CPU memory. Without grads there to add them to,
-        the copy runs on a stream of its own, beside the backward of the units still to come, and
-        wait_copy_out() ends it before anything reads them (FSDP2 too copies asynchronously only then)."""
+        """Offload: the reduced grads into (pinned) CPU memory; with none there to add to, on a stream of
+        its own beside the backward still to come, ended by wait_copy_out() (FSDP2's too)."""
         host = torch.empty(output.numel(), dtype=self.grad_dtype, pin_memory=self.pin_memory)
         copy_out = self.pending.offload_streams[1]
         copy_out.wait_stream(torch.cuda.current_stream())

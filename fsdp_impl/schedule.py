@@ -2,10 +2,8 @@
 Schedule: the root's view of a training step, shared by all units under one root (FSDP2's
 FSDPState and its comm context, _fsdp_state.py).
 
-- The first forward records the units' order: pre-forward order for forward prefetch, post-forward
-  order reversed for backward. set_modules_to_{forward,backward}_prefetch override it.
 - Prefetch: a unit starting its forward or backward issues the all-gather of the unit that runs
-  next, so it moves while this unit computes.
+  next, in the order the first forward recorded (backward: the post-forward order reversed).
 - An autograd callback at the end of backward runs the post-backward of units whose gate did not
   fire (no input requires grad, as the root's token ids; a unit unused this step) and waits for
   every reduction in flight (reduce.Pending), so the sharded .grads are complete when backward()

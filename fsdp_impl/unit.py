@@ -1,15 +1,9 @@
 """
 ShardedUnit: the parameters of one fully_shard() call, which always communicate together. It holds
 the mesh, the FSDPModule knobs, the two flat buffers (their layout: layout.py) and two state
-machines, one per lifetime of a question (FSDP2's _fsdp_param_group.py has the same two):
-
-    ShardedState   where the parameters are: SHARDED -> GATHERING -> UNSHARDED -> SHARDED, or, after
-                   forward with reshard_after_forward=G, UNSHARDED -> SHARDED_POST_FORWARD -> GATHERING
-    TrainingState  where the unit is in a step: IDLE -> FORWARD -> IDLE -> PRE_BACKWARD -> IDLE
-
-flat_full's storage holds memory while the unit is unsharded and none otherwise (the parameters
-viewing it, and the tensors autograd saved, stay valid and come back to life when it is refilled).
-Gradients go the other way (reduce.py). A parameter's two forms are in param.py.
+machines, ShardedState and TrainingState, as FSDP2's param group (_fsdp_param_group.py).
+flat_full's storage holds memory while the unit is unsharded and none otherwise: the parameters
+viewing it, and the tensors autograd saved, come back to life when it is refilled.
 """
 from enum import StrEnum
 from typing import NamedTuple
@@ -64,9 +58,8 @@ class Gather(NamedTuple):
 
 
 def reshard_after_forward_flag(value, world):
-    """FSDP2's reshard_after_forward over `world` ranks -> (True, False or None (decided at lazy init),
-    the size of the smaller group to reshard to after forward, or None). Its ints are group sizes
-    that divide `world`: 1 means False, `world` True."""
+    """FSDP2's reshard_after_forward -> (True, False or None: decided at lazy init; the smaller group
+    size to reshard to, or None). An int divides `world`: 1 means False, `world` True."""
     if value is None or isinstance(value, bool):
         return value, None
     if not isinstance(value, int) or not 0 < value <= world or world % value:  # (FSDP2's exception type)
@@ -119,11 +112,8 @@ class ShardedUnit:
 
     # ---- construction --------------------------------------------------------------------
     def _managed_params(self):
-        """Parameters under our modules not already owned by a nested unit, with every registration.
-
-        In FSDP2's order (children before a module's own parameters): gloo's reduction order
-        depends on an element's position in the buffer, so the same layout gives the same bits.
-        """
+        """Parameters under our modules not owned by a nested unit, with every registration, in FSDP2's
+        order (children first): gloo's sums depend on an element's position, so the bits do too."""
         def post_order(module, seen):
             seen.add(module)
             for child in module.children():
@@ -170,9 +160,8 @@ class ShardedUnit:
         self._register(unsharded=False)
 
     def _shard_dim(self, param, name):
-        """The dim shard_placement_fn asks for (Shard(dim) or None: 0), negative ones counted from the
-        end; of a tensor parallel parameter, a dim of its tp-local tensor (FSDP2's). As FSDP2, a dim
-        other than 0 must split evenly over the shard group."""
+        """The dim shard_placement_fn asks for (None: 0; of a tensor parallel parameter, of its local
+        tensor), as FSDP2's: a dim other than 0 must split evenly over the shard group."""
         placement = self.shard_placement_fn(param) if self.shard_placement_fn else None
         if placement is None:
             return 0
@@ -187,9 +176,8 @@ class ShardedUnit:
         return dim
 
     def _sharded_placement(self, param, dim):
-        """(mesh, placements) of a parameter's sharded DTensor. A tensor parallel parameter's mesh is
-        the dp mesh's dims then the tp mesh's; its dp dim shards the tp-local tensor along `dim`, which
-        DTensor spells _StridedShard when tp shards that dim too (FSDP2's spec, so state dicts agree)."""
+        """(mesh, placements) of a parameter's sharded DTensor; of a tensor parallel one, the dp dims then
+        the tp dims, _StridedShard where tp shards `dim` too (FSDP2's spec, so state dicts agree)."""
         if not isinstance(param, DTensor):
             return self.mesh, self.placements[:-1] + (Shard(dim),)
         spec = param._spec
@@ -278,8 +266,7 @@ class ShardedUnit:
 
     def adopt_assigned_params(self):
         """After load_state_dict(assign=True), or a parameter assigned before the first forward, the
-        modules hold new parameter objects, which an optimizer built afterwards will update: make
-        those ours, viewing a flat shard."""
+        modules hold new parameters, which an optimizer built afterwards updates: they view a flat shard."""
         adopted = False
         for ps in self.params:
             module, name = ps.registrations[0]
@@ -358,18 +345,16 @@ class ShardedUnit:
         self.flat_full.untyped_storage().resize_(self._full_bytes)
 
     def _register(self, unsharded):
-        """Put the unsharded parameters, or the sharded ones, where the modules look them up (every
-        registration of a tied one). Into `_parameters` directly: nn.Module.__setattr__'s checks
-        cost more than the rest of a unit's swap."""
+        """Register the unsharded parameters, or the sharded ones, in the modules (every registration of a
+        tied one), in `_parameters` directly: nn.Module.__setattr__'s checks cost more than the swap."""
         for ps in self.params:
             param = ps.unsharded.param if unsharded else ps.sharded
             for module, name in ps.registrations:
                 module._parameters[name] = param
 
     def reshard(self, to_group=False):
-        """Free the unsharded parameters; the module holds its sharded DTensors again. to_group (after
-        forward, with post_forward_size): this rank keeps its piece of them over the smaller group, which
-        the next all-gather gathers from; any other reshard drops it (FSDP2's states too)."""
+        """Free the unsharded parameters; the module holds its sharded DTensors again. to_group: this rank
+        keeps its piece over the smaller group for the next gather; any other reshard drops it."""
         if self.state == GATHERING:
             self._finish_gather()
         self._group_shard = (self.layout.group_piece(self.post_forward_rank)
@@ -405,9 +390,8 @@ class ShardedUnit:
 
     # ---- hooks' bodies (called from api.py) ----------------------------------------------
     def pre_forward(self, grad_enabled):
-        """Gather for forward. True if this forward will need its own post-backward (api.py then
-        gates its inputs): the unit's first module starts, or a recomputation runs after the
-        unit's post-backward (reentrant checkpointing, several forwards before one backward)."""
+        """Gather for forward. True if this forward needs its own post-backward (api.py gates its inputs):
+        the first module starts, or a recomputation runs after the unit's post-backward."""
         if self.training_state == PRE_BACKWARD and not self.needs_post_backward:
             self.wait_unshard()
             self.needs_post_backward = True
@@ -438,10 +422,8 @@ class ShardedUnit:
         return not self.modules_to_run
 
     def _sync_requires_grad(self):
-        """requires_grad_() may be called on either parameter object: the sharded one (registered
-        between steps, held by the optimizer) or the unsharded one (registered while the unit is
-        gathered, as the root is after a no_grad forward). The one that changed since the last
-        look sets both."""
+        """requires_grad_() may be called on the sharded parameter (the optimizer's) or the unsharded one
+        (registered while gathered): the one that changed since the last look sets both."""
         for ps in self.params:
             sharded, unsharded = ps.sharded.requires_grad, ps.unsharded.param.requires_grad
             if sharded == unsharded == ps.requires_grad:
@@ -482,11 +464,9 @@ class ShardedUnit:
         self._phase_range = None
 
     def post_backward(self, end_of_backward=False):
-        """A forward's backward is over (its inputs' grads are computed: api.py's gate), or the whole
-        backward is (the end-of-backward callback, which calls every unit): reshard, then hand the
-        grads to the reduction (reduce.py). A forward that never ended (not every module of the unit
-        ran, and the root's forward did not end it) may still bring grads from its other calls: the
-        end of backward reduces them, as FSDP2's."""
+        """A forward's backward is over (api.py's gate), or the whole backward is (the callback, for
+        every unit): reshard, then hand the grads to the reduction. A forward that never ended (not
+        every module ran) may still bring grads: the end of backward reduces them, as FSDP2's."""
         if self.training_state == FORWARD and not end_of_backward:
             return
         if not (self.needs_post_backward or (self.knobs.requires_grad_sync and self.grads.holds_unreduced)):
