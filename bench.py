@@ -39,6 +39,7 @@ import textwrap
 from datetime import datetime, timezone
 
 import backends
+import metrics
 import overlap
 from compare import WARMUP_STEPS
 from observe import PROFILE_STEPS
@@ -118,9 +119,8 @@ def at_step_ms(figures, step_ms):
 
 def summarize_run(rows, backend):
     """One run's figures from its metrics.jsonl rows: medians over the steps past WARMUP_STEPS."""
-    steps = [r for r in rows if "loss" in r][WARMUP_STEPS:]
-    memory = {r["stage"]: r for r in rows if r.get("event") == "memory"}
-    comm = next(r for r in rows if r.get("event") == "comm_per_step")
+    run = metrics.split(rows)
+    steps, memory, comm = run.steps[WARMUP_STEPS:], run.memory, run.comm
     end = memory["after last step"]
     first = {"step_ms": steps[0]["dt_ms"], "tokens_per_sec": steps[0]["tokens_per_sec"], "mfu": steps[0]["mfu"]}
     run = {
@@ -134,7 +134,7 @@ def summarize_run(rows, backend):
         # ddp's gradient all-reduce runs in its C++ reducer, out of the counter's sight: every
         # gradient once per step, so its size is added to the loss's all-reduce the counter saw
         "all_reduce_mb": comm["all_reduce_bytes"] / 2**20 + (end["grads_mb"] if backend == "ddp" else 0.0),
-        "loss": [r["loss"] for r in rows if "loss" in r][-1],
+        "loss": run.steps[-1]["loss"],
         # the training thread's CPU time per phase (train.py's host_ms): on a GPU, the host's own work
         "host_ms": {p: statistics.median(r["host_ms"].get(p, 0.0) for r in steps) for p in HOST_PHASES},
     }

@@ -11,40 +11,21 @@ runs is printed last: for runs that should be numerically equivalent (e.g. two
 parallelism backends from the same seed) it should be ~0.
 """
 import argparse
-import json
 import math
 import os
 import statistics
 import sys
 
-TRAIN_KEYS = ("iter", "loss")
-EVAL_KEYS = ("iter", "val_loss")
+import metrics
+
 WARMUP_STEPS = 2  # a run's first steps (compilation, first allocations): left out of its medians (bench.py too)
 
 
 def load_metrics(path):
     """Read a run dir (or a metrics.jsonl path) -> (train_rows, eval_rows), each in iter order, one
-    row per iter: after a resume, the resumed attempt's.
-
-    Lines that are not JSON objects or lack the needed keys (e.g. {"event": ...}) are skipped.
-    """
-    file = os.path.join(path, "metrics.jsonl") if os.path.isdir(path) else path
-    if not os.path.isfile(file):
-        raise FileNotFoundError(f"no metrics.jsonl in {path}" if file != path else f"{path} does not exist")
-    train, evals = [], []
-    with open(file) as f:
-        for line in f:
-            try:
-                row = json.loads(line)
-            except ValueError:
-                continue  # blank or half-written last line of a live run
-            if not isinstance(row, dict):
-                continue
-            if all(row.get(k) is not None for k in TRAIN_KEYS):
-                train.append(row)
-            elif all(row.get(k) is not None for k in EVAL_KEYS):
-                evals.append(row)
-    return _as_resumed(train), _as_resumed(evals)
+    row per iter: after a resume, the resumed attempt's."""
+    run = metrics.read(path)
+    return _as_resumed(run.steps), _as_resumed(run.evals)
 
 
 def _as_resumed(rows):

@@ -24,6 +24,7 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 
+import metrics
 from fsdp_impl.comm import collective_bytes
 
 
@@ -131,7 +132,7 @@ class Observer:
     def memory(self, stage, model, optimizer):
         """Memory at a stage: allocator figures on CUDA, the peak RSS so far everywhere, the model's
         state; max over ranks."""
-        row = {"event": "memory", "stage": stage, "rss_mb": rss_mb()}
+        row = {"event": metrics.MEMORY, "stage": stage, "rss_mb": rss_mb()}
         if self.cuda:
             row |= {"allocated_mb": torch.cuda.memory_allocated() / 2**20,
                     "max_allocated_mb": torch.cuda.max_memory_allocated() / 2**20,

@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 import checkpoint
 import configurator
+import metrics
 import observe
 import training
 from backends import BackendError, init_distributed, make_backend, use_deterministic_kernels
@@ -270,20 +271,20 @@ if wandb_log and master:
 
 # eval_only's rows go beside the training run's, not among them
 metrics_path = os.path.join(out_dir, "eval.jsonl" if eval_only else "metrics.jsonl")
-metrics = None  # (rank 0 logs; the others' checkpoint shards and traces make their own folders)
+metrics_log = None  # (rank 0 logs; the others' checkpoint shards and traces make their own folders)
 if master:
     os.makedirs(out_dir, exist_ok=True)
-    metrics = open(metrics_path, "a" if init_from == "resume" or eval_only else "w")
-    if metrics.tell():  # a killed run can leave half a line: the first row appended starts a new one
+    metrics_log = open(metrics_path, "a" if init_from == "resume" or eval_only else "w")
+    if metrics_log.tell():  # a killed run can leave half a line: the first row appended starts a new one
         with open(metrics_path, "rb") as f:
             f.seek(-1, os.SEEK_END)
             if f.read(1) != b"\n":
-                metrics.write("\n")
+                metrics_log.write("\n")
 
 
 def log_metrics(**row):
-    metrics.write(json.dumps(row) + "\n")
-    metrics.flush()
+    metrics_log.write(json.dumps(row) + "\n")
+    metrics_log.flush()
 
 
 def read_when_done(*scalars):
@@ -349,7 +350,7 @@ def update_or_skip(loss_sum, grad_norm):
              f"skipping does not recover; {checkpoints_kept()}")
     if master:
         print(f"iter {iter_num}: non-finite loss {loss_total / world_size} or grad norm {grad_norm}: step skipped")
-        log_metrics(iter=iter_num, event="skipped_nonfinite")
+        log_metrics(iter=iter_num, event=metrics.SKIPPED_NONFINITE)
     return False
 
 
@@ -431,6 +432,6 @@ if master:
         print(f"memory {row['stage']}: " + ", ".join(f"{k} {v:.1f}" for k, v in row.items() if k.endswith("_mb")))
         log_metrics(**row)
     if comm.steps:
-        log_metrics(event="comm_per_step", **comm.per_step())
-    metrics.close()
+        log_metrics(event=metrics.COMM_PER_STEP, **comm.per_step())
+    metrics_log.close()
 leave(0)

@@ -17,13 +17,15 @@ import pytest
 from spawn import Server, free_port
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+import metrics  # noqa: E402
 SPAWN = str(REPO / "tests" / "spawn.py")
 
 # a model small enough that a whole run is dominated by process start-up
 TINY = ["--n_layer=2", "--n_head=2", "--n_embd=32", "--block_size=32", "--batch_size=4",
         "--eval_iters=2", "--log_interval=1", "--compile=False", "--dropout=0.0", "--dtype=float32"]
 
-TRAIN_KEYS = {"iter", "loss", "grad_norm", "lr", "dt_ms", "tokens_per_sec", "mfu", "peak_mem_mb"}
+TRAIN_KEYS = set(metrics.STEP)  # a step's row in metrics.jsonl
 
 
 class RunResult(NamedTuple):
@@ -124,17 +126,8 @@ def one_error_line(res):
 
 def load_metrics(out_dir):
     """(train rows, eval rows) of out_dir/metrics.jsonl, in file order."""
-    train, evals = [], []
-    with open(Path(out_dir) / "metrics.jsonl") as f:
-        for line in f:
-            if not line.strip():
-                continue
-            row = json.loads(line)
-            if "loss" in row:
-                train.append(row)
-            elif "val_loss" in row:
-                evals.append(row)
-    return train, evals
+    run = metrics.read(str(out_dir))
+    return run.steps, run.evals
 
 
 def losses(out_dir, key="loss"):
