@@ -786,6 +786,25 @@ def largest_batch(settings, backend_name, world, rank, row, limit):
     return lo
 
 
+def plan_row(settings, backend_name, world, rank, own, limit, drawn, gloo):
+    """plan.py's row for one backend and W, whole: the plan (planned in a child) and what it answers,
+    the communication time at the bus bandwidth and, given the GPU's memory, the headroom, whether
+    it fits and the largest batch that does. -> (row, its timeline or None)."""
+    row = in_child(plan, settings, backend_name, world, rank, drawn, gloo)
+    timeline = None
+    if drawn:
+        timeline = {k: row[k] for k in ("backend", "nproc", "rank", "peak_allocated_bytes", "peak_at")} | row.pop("timeline")
+    row["busbw_gbps"] = busbw(world, own["busbw_gbps"])
+    row["comm_seconds_per_step"] = row["comm_bus_bytes_per_step"] / (row["busbw_gbps"] * 1e9)
+    row["fits"] = row["headroom_bytes"] = row["max_batch_size"] = None  # (no GPU memory given)
+    if limit is not None:  # (the context and NCCL's buffers come out of the same memory)
+        room = limit - row["outside_allocator_bytes"]
+        row["headroom_bytes"] = room - row["reserved_bytes"]
+        row["fits"] = row["headroom_bytes"] >= 0
+        row["max_batch_size"] = largest_batch(settings, backend_name, world, rank, row, room)
+    return row, timeline
+
+
 def main(argv):
     own, rest = split_argv(argv)
     limit = gpu_bytes(own)
@@ -808,21 +827,12 @@ def main(argv):
             rank = own["rank"] if own["rank"] < world else 0
             print(f"planning {backend_name} at W={world}, rank {rank}", file=sys.stderr, flush=True)
             try:
-                row = in_child(plan, settings, backend_name, world, rank, drawn, gloo)
-                if drawn:
-                    timelines.append({k: row[k] for k in ("backend", "nproc", "rank", "peak_allocated_bytes", "peak_at")}
-                                     | row.pop("timeline"))
-                row["busbw_gbps"] = busbw(world, own["busbw_gbps"])
-                row["comm_seconds_per_step"] = row["comm_bus_bytes_per_step"] / (row["busbw_gbps"] * 1e9)
-                row["fits"] = row["headroom_bytes"] = row["max_batch_size"] = None  # (no GPU memory given)
-                if limit is not None:  # (the context and NCCL's buffers come out of the same memory)
-                    room = limit - row["outside_allocator_bytes"]
-                    row["headroom_bytes"] = room - row["reserved_bytes"]
-                    row["fits"] = row["headroom_bytes"] >= 0
-                    row["max_batch_size"] = largest_batch(settings, backend_name, world, rank, row, room)
-                rows.append(row)
+                row, timeline = plan_row(settings, backend_name, world, rank, own, limit, drawn, gloo)
             except BackendError as e:
                 configurator.fail(str(e))
+            rows.append(row)
+            if drawn:
+                timelines.append(timeline)
     print(table(rows, settings, limit, gloo))
     if compiled:
         print("compile=True is planned as eager: the compiled kernels' own buffers are not counted.")
