@@ -71,6 +71,8 @@ def split_argv(argv):
     for arg in argv:
         key = arg[2:].partition("=")[0] if arg.startswith("--") else None
         if key in PLAN_FLAGS:
+            if "=" not in arg:  # (--json plan.json would read plan.json as a config file)
+                configurator.fail(f"{arg} takes its value after '=': {arg}=VALUE")
             own[key] = arg.partition("=")[2]
         else:
             rest.append(arg)
