@@ -93,8 +93,7 @@ def run_train(row, nproc, out_dir, steps, extra, profile=False):
                 refusal[0] else ""
             raise SystemExit(f"error: {row} at {nproc} processes: {refusal[0][len('error: '):]}{passed_on}")
         raise SystemExit(f"error: {row} at {nproc} processes failed:\n{proc.stderr[-3000:]}")
-    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f]
+    return metrics.rows(out_dir)
 
 
 def run_dir(args, row, tag):

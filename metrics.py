@@ -1,6 +1,6 @@
 """
 metrics.jsonl, a run's log in out_dir: one JSON object a line, written by train.py's rank 0 and
-read by bench.py, compare.py and the tests through read(). Its rows:
+read by bench.py, compare.py and the tests through rows() and read(). Its rows:
 
     a step          STEP's keys
     an evaluation   EVALUATION's keys (eval_only adds "evaluated": what it loaded)
@@ -33,12 +33,17 @@ def split(rows):
 
 
 def read(path):
-    """Metrics of a run dir (or a metrics.jsonl path). Lines that are not JSON objects (a live run's
-    half-written last line) are skipped."""
+    """Metrics of a run dir (or a metrics.jsonl path)."""
+    return split(rows(path))
+
+
+def rows(path):
+    """The rows of a run dir's (or a path's) metrics.jsonl, in file order. Lines that are not JSON
+    objects (a live run's half-written last line) are skipped."""
     file = os.path.join(path, "metrics.jsonl") if os.path.isdir(path) else path
     if not os.path.isfile(file):
         raise FileNotFoundError(f"no metrics.jsonl in {path}" if file != path else f"{path} does not exist")
-    rows = []
+    found = []
     with open(file) as f:
         for line in f:
             try:
@@ -46,5 +51,5 @@ def read(path):
             except ValueError:
                 continue
             if isinstance(row, dict):
-                rows.append(row)
-    return split(rows)
+                found.append(row)
+    return found

@@ -185,12 +185,6 @@ def launch(nproc, script, args=(), timeout=600, env=None, cwd=None, stream=None)
 
 # ---- the rehearsal of train.py ------------------------------------------------------------------
 
-def train_settings(argv):
-    """train.py's settings after its config files and --key=value args, as train.py reads them."""
-    import training
-    return training.settings(argv)
-
-
 def parameter_count(settings):
     """Parameters of the model the settings describe, built on the meta device (no memory), with
     the vocabulary train.py takes."""
@@ -219,7 +213,7 @@ def planned(train_args, nproc):
     (under cpu_offload, the GPU's side)."""
     import plan
     import training
-    settings = train_settings(train_args)
+    settings = training.settings(train_args)
     settings["vocab_size"] = training.vocab_size(settings)
     return plan.in_child(plan.plan, settings, settings["dist_backend"], nproc, 0)
 
@@ -294,7 +288,8 @@ def main(argv=None):
     rehearsal = Path(a.script).name == "train.py"
     if rehearsal:
         import configurator
-        settings = train_settings(a.args)
+        import training
+        settings = training.settings(a.args)
         configurator.check_device(settings["device"])
         params = parameter_count(settings)
         estimate = state_bytes_per_rank(settings, a.nproc, params)

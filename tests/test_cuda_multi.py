@@ -23,6 +23,7 @@ from conftest import REPO, clone_checkpoint, launch, losses, subprocess_env
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts"))
 import fakehosts  # noqa: E402
+import training  # noqa: E402
 import plan  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -245,7 +246,7 @@ def test_1b_memory_per_rank(big, char_data):
     """custom_fsdp's peak allocated memory per rank is at most FSDP2's, its reserved within
     RESERVED_TOL of FSDP2's, and each backend's model state per rank is 16 bytes per parameter / W."""
     fsdp, custom = big_out(big, "fsdp"), big_out(big, "custom_fsdp")
-    settings = fakehosts.train_settings([*BIG, f"--data_dir={char_data}"])
+    settings = training.settings([*BIG, f"--data_dir={char_data}"])
     want_state = fakehosts.BYTES_PER_PARAM * fakehosts.parameter_count(settings) / BIG_WORLD / 2**20
     (peak_c, reserved_c, state_c), (peak_f, reserved_f, state_f) = peaks(custom), peaks(fsdp)
     record("1.3B memory per rank (MiB)", world=BIG_WORLD, want_state=want_state,

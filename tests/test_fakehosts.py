@@ -16,6 +16,7 @@ from conftest import REPO, launch, losses, run_train, subprocess_env
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts"))
 import fakehosts  # noqa: E402
+import training  # noqa: E402
 
 TRAIN = ["--dist_backend=custom_fsdp", "--gradient_accumulation_steps=2", "--max_iters=3", "--eval_interval=100",
          "--keep_checkpoints=0"]
@@ -114,7 +115,7 @@ def test_rehearsal_refuses_ranks_the_gpu_cannot_hold(tmp_path):
     config = tmp_path / "small.py"
     config.write_text("n_layer = 2\nn_head = 4\nn_embd = 128\nblock_size = 128\nbatch_size = 4\n")
     args = [str(config), f"--data_dir={tmp_path}", "--device=cuda", "--max_iters=3"]
-    settings = fakehosts.train_settings(args)
+    settings = training.settings(args)
     assert settings["n_layer"] == 2 and settings["device"] == "cuda" and settings["dist_backend"] == "ddp"
     params = fakehosts.parameter_count(settings)
     row = fakehosts.planned(args, 4)
