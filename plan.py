@@ -53,6 +53,17 @@ from model import GPT, GPTConfig
 
 PLAN_FLAGS = {"nproc": "1,2,4,8", "rank": 0, "json": "", "png": "", "gpu": "", "gpu_mem_gib": "", "busbw_gbps": "",
               "timeline": "", "timeline_json": ""}  # plan.py's own settings, beside train.py's
+PLAN_FLAG_HELP = {
+    "nproc": "world sizes to plan, comma-separated",
+    "rank": "the rank planned (rank 0's shards are the largest; past a world size, rank 0 there)",
+    "json": "write the rows to this JSON file",
+    "png": "draw the peak per rank against the world size to this PNG",
+    "gpu": "a100, h100 or h200: whether each row fits, its headroom and the largest batch that does",
+    "gpu_mem_gib": "the GPU's memory in GiB, in place of --gpu",
+    "busbw_gbps": "the bus bandwidth the communication time is projected at (default: NCCL's on H100s by W)",
+    "timeline": "draw each row's memory through the step to this PNG",
+    "timeline_json": "write each row's memory through the step to this JSON file",
+}
 ROLES = ("parameters", "gradients", "optimizer_state", "gathered_parameters", "communication", "activations", "other")
 STATE_ROLES = ("parameters", "gradients", "optimizer_state")  # ZeRO's model states: what CPU offload moves
 # What a CUDA process holds beside the step's tensors: not counted, but named (sources in
@@ -65,8 +76,21 @@ CUDA_CONTEXT_BYTES = 500 * 2**20
 NCCL_COMMUNICATOR_BYTES = 700 * 2**20
 
 
+def print_help():
+    """plan.py's own flags, then train.py's settings as a plan takes them (bfloat16 unless given)."""
+    print("usage: plan.py [config files] [--key=value ...]; plan.py's own flags and their defaults:")
+    for key, value in PLAN_FLAGS.items():
+        print(f"  {f'--{key}={value!r}':<20} {PLAN_FLAG_HELP[key]}")
+    print("train.py's settings, as plan.py plans them (--dist_backend given: that backend only, else all three):")
+    for key, value in dict(training.defaults(), dtype="bfloat16").items():
+        print(f"  --{key}={value!r}" if isinstance(value, str) else f"  --{key}={value}")
+
+
 def split_argv(argv):
     """(plan.py's own settings, the arguments for train.py's configurator)."""
+    if "-h" in argv or "--help" in argv:
+        print_help()
+        raise SystemExit(0)
     own, rest = dict(PLAN_FLAGS), []
     for arg in argv:
         key = arg[2:].partition("=")[0] if arg.startswith("--") else None
@@ -605,30 +629,41 @@ def steps(counter, settings, back, model, local_steps, fake):
     return state[0]
 
 
-def in_child(fn, *args):
-    """fn(*args) in a forked child, its result (or its exception) sent back. Each rank is planned
-    in a process of its own: DTensor caches sharding results by mesh, and meshes of different ranks
-    compare equal, so a second rank in one process would get the first rank's local shapes."""
-    import pickle
-    read_end, write_end = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the child
-        os.close(read_end)
-        try:
-            result = (True, fn(*args))
-        except BaseException as e:  # (SystemExit of a refusal too: the parent raises it again)
-            result = (False, e)
-        with os.fdopen(write_end, "wb") as f:
-            pickle.dump(result, f)
-        os._exit(0)
-    os.close(write_end)
-    with os.fdopen(read_end, "rb") as f:
-        data = f.read()
-    os.waitpid(pid, 0)
-    ok, value = pickle.loads(data)
-    if not ok:
-        raise value
-    return value
+class Child:
+    """fn(*args) in a forked child, started at once; result() returns what it returned (or raises
+    what it raised). Each rank is planned in a process of its own: DTensor caches sharding results
+    by mesh, and meshes of different ranks compare equal, so a second rank in one process would get
+    the first rank's local shapes. Two children run side by side on two cores."""
+
+    def __init__(self, fn, *args, **kwargs):
+        import pickle
+        self.read_end, write_end = os.pipe()
+        self.pid = os.fork()
+        if self.pid == 0:  # the child
+            os.close(self.read_end)
+            try:
+                result = (True, fn(*args, **kwargs))
+            except BaseException as e:  # (SystemExit of a refusal too: the parent raises it again)
+                result = (False, e)
+            with os.fdopen(write_end, "wb") as f:
+                pickle.dump(result, f)
+            os._exit(0)
+        os.close(write_end)
+
+    def result(self):
+        import pickle
+        with os.fdopen(self.read_end, "rb") as f:
+            data = f.read()
+        os.waitpid(self.pid, 0)
+        ok, value = pickle.loads(data)
+        if not ok:
+            raise value
+        return value
+
+
+def in_child(fn, *args, **kwargs):
+    """fn(*args) in a forked child (Child), waited for."""
+    return Child(fn, *args, **kwargs).result()
 
 
 # nccl-tests' bus bandwidth of large all-gathers and reduce-scatters on H100s, in GB/s (sources in
@@ -647,10 +682,18 @@ def busbw(world, given=""):
     return INFINIBAND_BUSBW[min([w for w in INFINIBAND_BUSBW if w >= world] or [1024])]
 
 
-def plan(settings, backend_name, world, rank, timeline=False, gloo=False):
+def cuda_model(trace):
+    """CUDA's caching allocator replayed over a plan's trace. cuBLAS's workspaces are made at the
+    first forward and backward, and kept: the peak, in the second step, holds them, and a block
+    never freed is reused by nobody, so they go first."""
+    return CachingAllocatorModel().replay([(-1 - i, CUBLAS_WORKSPACE_BYTES) for i in range(CUBLAS_WORKSPACES)] + trace)
+
+
+def plan(settings, backend_name, world, rank, timeline=False, gloo=False, keep_trace=False):
     """One backend at W ranks, as rank `rank`: the row plan.py reports; with timeline, its
-    "timeline" too (Allocations.timeline). Under cpu_offload the run is planned without it, and the
-    GPU's side is what stays after the state moves to host memory. gloo: a CPU run's buffers count."""
+    "timeline" too (Allocations.timeline), with keep_trace the "trace" the CUDA model replays. Under
+    cpu_offload the run is planned without it, and the GPU's side is what stays after the state
+    moves to host memory. gloo: a CPU run's buffers count."""
     started = time.time()
     offload = settings["cpu_offload"]
     if offload and backend_name == "ddp":  # (planned without offload below: ask train.py's refusal here)
@@ -662,10 +705,8 @@ def plan(settings, backend_name, world, rank, timeline=False, gloo=False):
     if offload:
         peak, peak_at, trace, peak_event = device_side(counter)
         made_of = None  # (the breakdown is the whole run's)
-    # cuBLAS's workspaces are made at the first forward and backward, and kept: the peak, in the
-    # second step, holds them, and a block never freed is reused by nobody, so they go first
-    cuda = CachingAllocatorModel().replay([(-1 - i, CUBLAS_WORKSPACE_BYTES) for i in range(CUBLAS_WORKSPACES)] + trace)
-    extra = {}
+    cuda = cuda_model(trace)
+    extra = {"trace": trace} if keep_trace else {}
     if timeline:
         extra["timeline"] = dict(counter.timeline(exclude=counter.host_numbers if offload else ()),
                                  peak_event=peak_event)
@@ -759,22 +800,48 @@ def gpu_bytes(own):
     return int(float(own["gpu_mem_gib"]) * 2**30) if own["gpu_mem_gib"] else None
 
 
-def largest_batch(settings, backend_name, world, rank, row, limit):
-    """The largest batch_size whose modelled reserved memory fits in `limit` bytes (0: none).
-    CUDA's allocated bytes grow linearly with the batch, so two plans give a line and a first guess
-    under it; the reserve grows in steps above the line, so plans around the guess settle it,
-    stepping by doubling strides, then halving."""
-    batch = settings["batch_size"]
-    other = batch + 1 if batch == 1 else batch // 2
+def second_batch(batch):
+    """The other batch size a plan is made at, for the line through two."""
+    return batch + 1 if batch == 1 else batch // 2
+
+
+def batch_line(trace, batch, other_trace, other):
+    """batch -> the plan's trace at that batch size, from its traces at two (None where they do not
+    line up). The step allocates the same storages in the same order at every batch size; each
+    one's bytes are a line in the batch (an activation's grow with it, the state's do not). Traces
+    of other events, or bytes off a line of whole bytes, mean a path that depends on the batch."""
+    if len(trace) != len(other_trace):
+        return None
+    events = []
+    for (number, nbytes), (other_number, other_nbytes) in zip(trace, other_trace):
+        slope, rest = divmod(nbytes - other_nbytes, batch - other)
+        if number != other_number or rest:
+            return None
+        events.append((number, nbytes - slope * batch, slope))
+    return lambda at: [(number, base + slope * at) for number, base, slope in events]
+
+
+def largest_batch(settings, backend_name, world, rank, row, second, limit, gloo=False, line=True):
+    """The largest batch_size whose modelled reserved memory fits in `limit` bytes (0: none), from
+    the plans at the run's batch (`row`) and at second_batch (`second`), both with their traces.
+    The two give each allocation's bytes as a line in the batch (batch_line): the reserve at any
+    batch is the CUDA model over the trace on those lines, and one more plan, at the answer, checks
+    them. Where the lines fail, or with line=False, each batch asked is planned.
+    The search: CUDA's allocated bytes grow linearly with the batch, so the two plans give a first
+    guess under that line; the reserve grows in steps above it, so reserves around the guess settle
+    it, stepping by doubling strides, then halving."""
+    batch, other = settings["batch_size"], second_batch(settings["batch_size"])
+
     def planned(batch):
-        return in_child(plan, dict(settings, batch_size=batch), backend_name, world, rank)
-    per_sample = (row["cuda_allocated_bytes"] - planned(other)["cuda_allocated_bytes"]) / (batch - other)
+        return in_child(plan, dict(settings, batch_size=batch), backend_name, world, rank, gloo=gloo, keep_trace=True)
+    trace_at = batch_line(row["trace"], batch, second["trace"], other) if line else None
+    per_sample = (row["cuda_allocated_bytes"] - second["cuda_allocated_bytes"]) / (batch - other)
     fixed = row["cuda_allocated_bytes"] - per_sample * batch
-    reserves = {0: 0, batch: row["reserved_bytes"]}
+    reserves = {0: 0, batch: row["reserved_bytes"], other: second["reserved_bytes"]}
 
     def fits(batch):
         if batch not in reserves:
-            reserves[batch] = planned(batch)["reserved_bytes"]
+            reserves[batch] = cuda_model(trace_at(batch)).reserved if trace_at else planned(batch)["reserved_bytes"]
         return reserves[batch] <= limit
     lo = max(int((limit - fixed) // per_sample) if per_sample > 0 else batch, 0)
     hi, stride = lo + 1, 1
@@ -785,6 +852,8 @@ def largest_batch(settings, backend_name, world, rank, row, limit):
     while hi - lo > 1:
         middle = (lo + hi) // 2
         lo, hi = (middle, hi) if fits(middle) else (lo, middle)
+    if trace_at and lo not in (0, batch, other) and planned(lo)["trace"] != trace_at(lo):
+        return largest_batch(settings, backend_name, world, rank, row, second, limit, gloo, line=False)
     return lo
 
 
@@ -792,7 +861,10 @@ def plan_row(settings, backend_name, world, rank, own, limit, drawn, gloo):
     """plan.py's row for one backend and W, whole: the plan (planned in a child) and what it answers,
     the communication time at the bus bandwidth and, given the GPU's memory, the headroom, whether
     it fits and the largest batch that does. -> (row, its timeline or None)."""
-    row = in_child(plan, settings, backend_name, world, rank, drawn, gloo)
+    asked = limit is not None  # (the GPU's memory given: the largest batch too, from a second plan beside)
+    second = Child(plan, dict(settings, batch_size=second_batch(settings["batch_size"])), backend_name, world, rank,
+                   gloo=gloo, keep_trace=True) if asked else None
+    row = in_child(plan, settings, backend_name, world, rank, drawn, gloo, keep_trace=asked)
     timeline = None
     if drawn:
         timeline = {k: row[k] for k in ("backend", "nproc", "rank", "peak_allocated_bytes", "peak_at")} | row.pop("timeline")
@@ -803,7 +875,8 @@ def plan_row(settings, backend_name, world, rank, own, limit, drawn, gloo):
         room = limit - row["outside_allocator_bytes"]
         row["headroom_bytes"] = room - row["reserved_bytes"]
         row["fits"] = row["headroom_bytes"] >= 0
-        row["max_batch_size"] = largest_batch(settings, backend_name, world, rank, row, room)
+        row["max_batch_size"] = largest_batch(settings, backend_name, world, rank, row, second.result(), room, gloo)
+    row.pop("trace", None)
     return row, timeline
 
 

@@ -405,3 +405,38 @@ def test_the_plan_of_a_cpu_run_holds_its_highest_real_peak(char_data, tmp_path):
     assert plans[True] > plans[False], plans  # (gloo's buffers reach the peak at their worst)
     for peak in peaks:
         assert plans[False] - batch - 64 <= peak <= plans[True] - batch + 64, (plans, peaks)
+
+
+LINE_AGAINST_PLANS = """
+import json, sys
+sys.path.insert(0, sys.argv[1])
+import plan, training
+out, cases = sys.argv[2], json.loads(sys.argv[3])
+answers = []
+for backend, world, room_mib, args in cases:
+    settings = training.settings(args)
+    settings["vocab_size"], settings["dtype"] = training.vocab_size(settings), "bfloat16"
+    other = plan.second_batch(settings["batch_size"])
+    row, second = (plan.in_child(plan.plan, dict(settings, batch_size=b), backend, world, 0, keep_trace=True)
+                   for b in (settings["batch_size"], other))
+    lined = plan.batch_line(row["trace"], settings["batch_size"], second["trace"], other) is not None
+    room = plan.CUBLAS_WORKSPACES * plan.CUBLAS_WORKSPACE_BYTES + room_mib * 2**20
+    answers.append([lined] + [plan.largest_batch(settings, backend, world, 0, row, second, room, line=line)
+                              for line in (True, False)])
+with open(out, "w") as f:
+    json.dump(answers, f)
+"""
+
+
+def test_the_largest_batch_from_lines_is_the_one_planned_batch_by_batch(tmp_path, data):
+    """plan.py's largest batch comes from two plans, each allocation's bytes a line in the batch,
+    and one plan at the answer. Searched with a plan at every batch it asks, the answer is the
+    same, on two backends and memories."""
+    small = ["--n_layer=1", "--n_embd=64", "--n_head=4", "--block_size=32", "--gradient_accumulation_steps=2",
+             f"--data_dir={data}"]  # (cheap plans: the search by plans makes several)
+    cases = [["custom_fsdp", 2, 6, small + ["--batch_size=4"]], ["ddp", 2, 20, small + ["--batch_size=3"]]]
+    out = tmp_path / "answers.json"
+    res = new_interpreter([sys.executable, "-c", LINE_AGAINST_PLANS, REPO, out, json.dumps(cases)], timeout=240)
+    assert res.returncode == 0, res.describe()
+    for (lined, from_lines, planned), case in zip(json.loads(out.read_text()), cases):
+        assert lined and from_lines == planned > 0, (case, from_lines, planned)
