@@ -11,6 +11,7 @@ Every value, from a file or the command line, must have the type of the script's
 int is taken where a float is expected; a bool is not an int). Unknown keys are an error too: a
 typo must never silently train the wrong model.
 """
+import argparse
 import json
 import os
 import re
@@ -19,8 +20,6 @@ import time
 import traceback
 import types
 from ast import literal_eval
-
-import torch
 
 
 def report_error(msg):
@@ -39,9 +38,26 @@ def fail(msg):
     raise SystemExit(2)
 
 
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse as every tool here answers: --help shows the docstring as written and each flag's
+    default, and bad input is one `error:` line, exit 2 (as fail)."""
+
+    class Formatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+        def _get_help_string(self, action):
+            # a default of None means "not given": the help text says what that does
+            return action.help if action.default is None else super()._get_help_string(action)
+
+    def __init__(self, **kwargs):
+        super().__init__(formatter_class=self.Formatter, **kwargs)
+
+    def error(self, message):
+        fail(f"{self.prog}: {message}")
+
+
 def device_problem(device):
     """Why this torch cannot run on `device`, in one line, or None: it takes cpu, and cuda or cuda:N
     with CUDA present."""
+    import torch  # (here: the tools that use only ArgumentParser and fail start without torch)
     if not re.fullmatch(r"cpu|cuda(:\d+)?", device):
         return f"unknown device '{device}' (choose cpu, cuda or cuda:N)"
     if device.startswith("cuda") and not torch.cuda.is_available():
