@@ -24,7 +24,6 @@ top of the command's. Flags bench.py does not take go to train.py. A config file
 default model (4 x 256, batch 8 x 128, one micro-batch per rank) with its own. Relative paths
 (--work_dir, --json, train.py's --data_dir) start from the folder bench.py runs in.
 """
-import argparse
 import glob
 import json
 import os
@@ -39,6 +38,7 @@ import textwrap
 from datetime import datetime, timezone
 
 import backends
+import configurator
 import metrics
 import overlap
 from compare import WARMUP_STEPS
@@ -91,7 +91,7 @@ def run_train(row, nproc, out_dir, steps, extra, profile=False):
         if refusal:  # train.py refused its settings (an unknown key, say): its one line says why
             passed_on = " (bench.py passes the flags it does not take to train.py)" if "unknown config key" in \
                 refusal[0] else ""
-            raise SystemExit(f"error: {row} at {nproc} processes: {refusal[0][len('error: '):]}{passed_on}")
+            configurator.fail(f"{row} at {nproc} processes: {refusal[0][len('error: '):]}{passed_on}")
         raise SystemExit(f"error: {row} at {nproc} processes failed:\n{proc.stderr[-3000:]}")
     return metrics.rows(out_dir)
 
@@ -382,9 +382,9 @@ def read(path, parse):
         with open(path, newline="") as f:
             return parse(f)
     except OSError as e:
-        raise SystemExit(f"error: cannot read {path}: {e.strerror}")
+        configurator.fail(f"cannot read {path}: {e.strerror}")
     except ValueError as e:
-        raise SystemExit(f"error: {path} is not JSON: {e}")
+        configurator.fail(f"{path} is not JSON: {e}")
 
 
 def render_file(path):
@@ -397,7 +397,7 @@ def render_file(path):
     elif "plan_check" in result:
         table = render_plan_check(result)
     else:
-        raise SystemExit(f"error: {path} is neither bench.py's JSON (backends, sweep) nor plan_check.py's")
+        configurator.fail(f"{path} is neither bench.py's JSON (backends, sweep) nor plan_check.py's")
     about = "; ".join([result.get("device") or "-", *(f"{k} {result.get(k) or '-'}" for k in ("torch", "commit")),
                        result.get("date") or "-", f"`{result.get('command') or '-'}`"])
     name = os.path.relpath(path, os.path.dirname(os.path.dirname(os.path.abspath(path))))  # results/NAME.json
@@ -416,7 +416,7 @@ def results_block(text, path):
     """(start, end): the line indices of the results block's markers in `text`'s lines, or an exit."""
     lines = [line.rstrip("\r\n") for line in text.splitlines(keepends=True)]
     if RESULTS_BEGIN not in lines or RESULTS_END not in lines[lines.index(RESULTS_BEGIN):]:
-        raise SystemExit(f"error: {path} has no results block: a line '{RESULTS_BEGIN}', later one '{RESULTS_END}'")
+        configurator.fail(f"{path} has no results block: a line '{RESULTS_BEGIN}', later one '{RESULTS_END}'")
     start = lines.index(RESULTS_BEGIN)
     return start, lines.index(RESULTS_END, start)
 
@@ -435,21 +435,27 @@ def render_into(path, results_dir=None):
 
 # --- command line ----------------------------------------------------------------------------------
 
+def boolean(text):
+    """True or False, as typed (any case); named for argparse's message on anything else."""
+    return ("false", "true").index(text.lower()) == 1
+
+
 def main():
-    # (no abbreviations: a key it does not know goes to train.py whole, as typed)
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-                                allow_abbrev=False)
-    p.add_argument("--backends", default=None, help="rows, comma-separated (ddp,fsdp,custom_fsdp)")
-    p.add_argument("--nproc", type=int, default=None, help="processes per run (2; --sweep runs 1, 2 and 4)")
-    p.add_argument("--repeats", type=int, default=None, help="runs per backend, interleaved (3)")
-    p.add_argument("--steps", type=int, default=None, help="steps per run (12)")
+    # (no abbreviations: a key it does not know goes to train.py whole, as typed). The defaults of
+    # None mean "not given" (--render and --sweep refuse some flags): the help says what each stands for
+    p = configurator.ArgumentParser(description=__doc__, allow_abbrev=False)
+    p.add_argument("--backends", default=None, help="rows, comma-separated (default: ddp,fsdp,custom_fsdp)")
+    p.add_argument("--nproc", type=int, default=None, help="processes per run (default: 2; --sweep runs 1, 2 and 4)")
+    p.add_argument("--repeats", type=int, default=None, help="runs per backend, interleaved (default: 3)")
+    p.add_argument("--steps", type=int, default=None, help="steps per run (default: 12)")
     p.add_argument("--sweep", action="store_true", help="per-rank memory and step time at world sizes 1, 2 and 4")
     # one world-size-1 GPU has no communication to expose, and a profiled compile run takes a minute
-    p.add_argument("--exposed", type=lambda v: ("false", "true").index(v.lower()) == 1, default=None,
-                   help="one extra profiled run per backend for the exposed communication (True/False; True)")
+    p.add_argument("--exposed", type=boolean, default=None, help="one extra profiled run per backend for the "
+                   "exposed communication, True or False (default: True)")
     p.add_argument("--detail", action="store_true", help="print every figure the JSON holds, not only the table")
-    p.add_argument("--work_dir", default="bench_out")
-    p.add_argument("--json", default=None, help="where to write the results (bench_out/bench.json, sweep.json)")
+    p.add_argument("--work_dir", default="bench_out", help="where the runs write")
+    p.add_argument("--json", default=None,
+                   help="where to write the results (default: WORK_DIR/bench.json, or WORK_DIR/sweep.json for --sweep)")
     p.add_argument("--render", nargs="?", const="", default=None, metavar="FILE.md",
                    help="print results/*.json as markdown, or write it into FILE.md's results block")
     args, extra = p.parse_known_args()

@@ -428,7 +428,7 @@ def write_results(folder):
     return folder
 
 
-def test_render_writes_each_results_file_as_a_markdown_table(tmp_path):
+def test_render_writes_each_results_file_as_a_markdown_table(tmp_path, capsys):
     """Sorted by name; each a heading, where it was measured (device, torch, commit, date, command),
     and its table: the figures with their ratios to the first row, and the paired ratio."""
     md = bench.render_results(write_results(tmp_path / "results")).split("\n")
@@ -454,8 +454,10 @@ def test_render_writes_each_results_file_as_a_markdown_table(tmp_path):
         "| `custom_fsdp` | 1 | 40.0 (1.00x) | 699 | 100.0 |", "| `custom_fsdp` | 2 | 20.0 (0.50x) | 698 | 50.0 |",
         "| `custom_fsdp` | 4 | 10.0 (0.25x) | 696 | 25.0 |"]
     (tmp_path / "results" / "comm.json").write_text(json.dumps({"comm": []}))
-    with pytest.raises(SystemExit, match="comm.json is neither bench.py's JSON"):
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as failed:
         bench.render_results(tmp_path / "results")
+    assert failed.value.code == 2 and "comm.json is neither bench.py's JSON" in capsys.readouterr().err
 
 
 DOC = """# Title
@@ -503,15 +505,16 @@ def test_render_into_a_file_without_the_block_fails_in_one_line(text, tmp_path):
     assert doc.read_text() == text  # (untouched)
 
 
-def test_render_of_what_cannot_be_read_fails_in_one_line(tmp_path):
+def test_render_of_what_cannot_be_read_fails_in_one_line(tmp_path, capsys):
     (tmp_path / "results").mkdir()
     (tmp_path / "results" / "half.json").write_text('{"backends": ')
     for call, message in [(lambda: bench.render_into(tmp_path / "missing.md"), "error: cannot read "),
                           (lambda: bench.render_results(tmp_path / "results"), "half.json is not JSON: ")]:
         with pytest.raises(SystemExit) as failed:
             call()
-        assert str(failed.value).startswith("error: ") and message in str(failed.value)
-        assert "\n" not in str(failed.value)
+        err = capsys.readouterr().err
+        assert failed.value.code == 2 and err.startswith("error: ") and message in err
+        assert err.count("\n") == 1, err
 
 
 def test_implementation_md_shows_the_rendering_of_results():
