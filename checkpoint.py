@@ -18,7 +18,6 @@ import os
 import re
 import shutil
 import signal
-import sys
 import time
 import warnings
 import zlib
@@ -301,16 +300,19 @@ def _load_errors(path):
 
 
 if __name__ == "__main__":
+    import configurator
     from model import GPT, GPTConfig
-    if len(sys.argv) != 2 or sys.argv[1].startswith("-"):  # (-h, --help: not a folder)
-        raise SystemExit(f"usage: python checkpoint.py OUT_DIR   (writes OUT_DIR/{EXPORT} from its latest checkpoint)")
+    parser = configurator.ArgumentParser(description=__doc__)
+    parser.add_argument("out_dir", metavar="OUT_DIR",
+                        help=f"a run's folder: its latest checkpoint is written to OUT_DIR/{EXPORT}")
+    out_dir = parser.parse_args().out_dir
     try:
-        ckpt, manifest = load_manifest(sys.argv[1])
+        ckpt, manifest = load_manifest(out_dir)
         gpt = GPT(GPTConfig(**manifest["model_args"]))
         load_model_only(ckpt, gpt)
     except CheckpointError as e:
-        raise SystemExit(f"error: {e}")
-    out = export_path(sys.argv[1])
+        configurator.fail(str(e))
+    out = export_path(out_dir)
     torch.save({"model": gpt.state_dict(), "model_args": manifest["model_args"],
                 "iter_num": manifest["iter_num"], "best_val_loss": manifest["best_val_loss"],
                 "config": manifest["config"], "saved_at": manifest.get("saved_at")}, out)

@@ -22,7 +22,8 @@ collective labelled with the unit whose range issued it, and the exposed time sh
 """
 import json
 import os
-import sys
+
+import configurator
 
 COMM_MARKS = ("gloo:", "nccl:", "ncclKernel", "ncclDevKernel")
 TOP_PLACES = 3  # how many places of exposed communication are listed (here and in bench.py)
@@ -210,8 +211,7 @@ def lanes(trace, step=None):
     if step is not None:
         (lo, hi), = [span for s, span in zip(steps, spans) if s["name"] == f"ProfilerStep#{step}"] or [(None, None)]
         if lo is None:
-            raise SystemExit(f"error: the trace has no ProfilerStep#{step}; it has "
-                             + ", ".join(s["name"] for s in steps))
+            configurator.fail(f"the trace has no ProfilerStep#{step}; it has " + ", ".join(s["name"] for s in steps))
         out = {lane: [(a - lo, b - lo, label) for a, b, label in bars if lo <= a < hi] for lane, bars in out.items()}
         spans, exposed = [(0.0, hi - lo)], [(a - lo, min(b, hi) - lo) for a, b in exposed if lo <= a < hi]
     return spans, out, exposed
@@ -261,23 +261,27 @@ def load(path):
         with open(path) as f:
             trace = json.load(f)
     except OSError as e:
-        raise SystemExit(f"error: cannot read {path}: {e.strerror}")
+        configurator.fail(f"cannot read {path}: {e.strerror}")
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise SystemExit(f"error: {path} is not JSON: {e}")
+        configurator.fail(f"{path} is not JSON: {e}")
     if not isinstance(trace, dict) or "traceEvents" not in trace:
-        raise SystemExit(f"error: {path} is not a profiler trace (no traceEvents)")
+        configurator.fail(f"{path} is not a profiler trace (no traceEvents)")
     return trace
 
 
 if __name__ == "__main__":
-    flags = {a.partition("=")[0]: a.partition("=")[2] for a in sys.argv[1:] if a.startswith("--")}
-    paths = [a for a in sys.argv[1:] if not a.startswith("--")]
-    if not paths or set(flags) - {"--png", "--step"} or not flags.get("--step", "0").isdigit():
-        raise SystemExit("usage: python overlap.py TRACE [TRACE ...] [--png=PATH [--step=N]]   "
-                         "(--profile=True writes them)")
-    if "--png" in flags:
-        draw(paths, flags["--png"], int(flags["--step"]) if "--step" in flags else None)
-    for path in paths:
+    parser = configurator.ArgumentParser(description=__doc__)
+    parser.add_argument("paths", nargs="+", metavar="TRACE",
+                        help="profiler traces (train.py --profile=True writes them)")
+    parser.add_argument("--png", metavar="PATH", default=None, help="draw the profiled steps as lanes into PATH")
+    parser.add_argument("--step", metavar="N", type=int, default=None,
+                        help="with --png: draw ProfilerStep#N alone (default: every profiled step)")
+    args = parser.parse_args()
+    if args.step is not None and (args.png is None or args.step < 0):
+        parser.error(f"--step={args.step}: a profiled step's number, with --png")
+    if args.png is not None:
+        draw(args.paths, args.png, args.step)
+    for path in args.paths:
         trace = load(path)
         rows = analyse(trace)
         print(path)

@@ -154,10 +154,11 @@ def test_sample_refuses_impossible_settings(tmp_path, setting, named):
     assert named in one_error_line(sample(tmp_path, setting))
 
 
-@pytest.mark.parametrize("args", [[], ["--help"], ["a", "b"]])
-def test_checkpoint_export_without_one_out_dir_prints_usage(args):
+@pytest.mark.parametrize("args,problem", [([], "the following arguments are required: OUT_DIR"),
+                                          (["a", "b"], "unrecognized arguments: b")])
+def test_checkpoint_export_without_one_out_dir_is_refused_in_one_line(args, problem):
     res = python(REPO / "checkpoint.py", *args)
-    assert res.returncode != 0 and res.stderr.startswith("usage: python checkpoint.py OUT_DIR"), res.describe()
+    assert res.returncode == 2 and res.stderr.splitlines() == [f"error: checkpoint.py: {problem}"], res.describe()
 
 
 def test_sample_reads_the_export_when_the_latest_manifest_is_damaged(trained, tmp_path):
@@ -179,21 +180,23 @@ def test_sample_refuses_an_unreadable_ckpt_pt(tmp_path):
     assert f"cannot read {tmp_path / 'ckpt.pt'}" in one_error_line(sample(tmp_path))
 
 
-def test_overlap_without_a_trace_prints_usage():
+def test_overlap_without_a_trace_is_refused_in_one_line():
     res = python(REPO / "overlap.py")
-    assert res.returncode != 0 and res.stderr.strip().startswith("usage:") and len(res.stderr.splitlines()) == 1
+    assert res.returncode == 2 and res.stderr.splitlines() == [
+        "error: overlap.py: the following arguments are required: TRACE"], res.describe()
 
 
 @pytest.mark.parametrize("content,problem", [(None, "No such file"), ("{not json", "is not JSON"),
                                              ('{"events": []}', "not a profiler trace")])
-def test_overlap_refuses_a_bad_trace(tmp_path, content, problem):
+def test_overlap_refuses_a_bad_trace(tmp_path, content, problem, capsys):
     trace = tmp_path / "rank0.json"
     if content is not None:
         trace.write_text(content)
     with pytest.raises(SystemExit) as exit_:  # (what `python overlap.py TRACE` prints)
         overlap.load(trace)
-    message = str(exit_.value)
-    assert message.startswith("error:") and problem in message and str(trace) in message and "\n" not in message
+    message = capsys.readouterr().err
+    assert exit_.value.code == 2 and message.startswith("error:") and message.count("\n") == 1, message
+    assert problem in message and str(trace) in message
 
 
 @pytest.mark.parametrize("arg,named", [("--steps=2", "--steps=2: at least 3"),
