@@ -10,12 +10,12 @@ bench.py) and peak memory. The overall max gap between any two
 runs is printed last: for runs that should be numerically equivalent (e.g. two
 parallelism backends from the same seed) it should be ~0.
 """
-import argparse
 import math
 import os
 import statistics
 import sys
 
+import configurator
 import metrics
 
 WARMUP_STEPS = 2  # a run's first steps (compilation, first allocations): left out of its medians (bench.py too)
@@ -145,9 +145,9 @@ def run_names(dirs):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
-    ap.add_argument("out_dirs", nargs="+", help="run directories holding metrics.jsonl")
-    ap.add_argument("--out", default="compare.png", help="where to write the plot")
+    ap = configurator.ArgumentParser(description=__doc__)
+    ap.add_argument("out_dirs", nargs="+", metavar="OUT_DIR", help="run directories holding metrics.jsonl")
+    ap.add_argument("--out", default="compare.png", help="where to write the plot, as .png, .svg, .pdf, ...")
     args = ap.parse_args(argv)
     from matplotlib.backend_bases import FigureCanvasBase
     if os.path.splitext(args.out)[1][1:].lower() not in FigureCanvasBase.get_supported_filetypes():
@@ -160,8 +160,7 @@ def main(argv=None):
         try:
             train, evals = load_metrics(d)
         except FileNotFoundError as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 1
+            configurator.fail(str(e))
         runs.append((name, train, evals))
 
     print(format_table(summarize(runs)))

@@ -86,18 +86,18 @@ def test_cli(tmp_path):
     assert float(m.group(1)) == 0.25
 
 
-def test_missing_metrics_exits_1(tmp_path):
+def test_missing_metrics_exits_2(tmp_path):
     a, _ = make_runs(tmp_path)
     empty = tmp_path / "no_metrics"
     empty.mkdir()
     res = launch([sys.executable, str(REPO / "compare.py"), str(a), str(empty),
                           "--out", str(tmp_path / "x.png")], timeout=120)
-    assert res.returncode == 1
+    assert res.returncode == 2
     lines = res.stderr.strip().splitlines()
     assert lines == [f"error: no metrics.jsonl in {empty}"], lines
     assert not (tmp_path / "x.png").exists()
     res = launch([sys.executable, str(REPO / "compare.py"), str(a), str(tmp_path / "typo")], timeout=120)
-    assert res.returncode == 1 and res.stderr.splitlines() == [f"error: {tmp_path / 'typo'} does not exist"]
+    assert res.returncode == 2 and res.stderr.splitlines() == [f"error: {tmp_path / 'typo'} does not exist"]
 
 
 @pytest.mark.parametrize("out,problem", [("x.txt", "name a picture file"), ("x", "name a picture file"),
