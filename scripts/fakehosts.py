@@ -33,6 +33,7 @@ from typing import NamedTuple
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # (the rehearsal reads train.py's settings with its configurator, and builds its model)
+import configurator  # noqa: E402
 GRACE_S = 10  # after SIGTERM, what is left is SIGKILLed
 MARKER = "FAKEHOSTS_LAUNCH"  # environment variable naming the launch each process belongs to
 PORTS = range(22000, 30000)  # below the kernel's ephemeral range, which outgoing connections draw from
@@ -264,30 +265,19 @@ def memory_report(rows, nproc, state_estimate, gpu_bytes=None):
     return lines
 
 
-def error(msg, code=2):
-    print(f"error: {msg}", file=sys.stderr, flush=True)
-    sys.exit(code)
-
-
-class OneLineParser(argparse.ArgumentParser):
-    def error(self, message):
-        error(f"{message} (usage: fakehosts.py --nproc=N [--timeout=S] script.py [args ...])")
-
-
 def main(argv=None):
-    parser = OneLineParser(description="Run a W-rank job on one machine (one GPU) as W fake hosts.")
-    parser.add_argument("--nproc", type=int, required=True, help="ranks, one fake host each")
+    parser = configurator.ArgumentParser(description=__doc__)
+    parser.add_argument("--nproc", type=int, required=True, help="ranks, one fake host each (required)")
     parser.add_argument("--timeout", type=float, default=3600, help="seconds before everything is stopped")
-    parser.add_argument("script")
-    parser.add_argument("args", nargs=argparse.REMAINDER)
+    parser.add_argument("script", help="the script each rank runs (train.py: planned and rehearsed)")
+    parser.add_argument("args", nargs=argparse.REMAINDER, help="the script's own arguments")
     a = parser.parse_args(argv)
     if a.nproc < 1:
-        error(f"--nproc={a.nproc} must be at least 1")
+        parser.error(f"--nproc={a.nproc} must be at least 1")
     if not Path(a.script).is_file():
-        error(f"no script {a.script}")
+        configurator.fail(f"no script {a.script}")
     rehearsal = Path(a.script).name == "train.py"
     if rehearsal:
-        import configurator
         import training
         settings = training.settings(a.args)
         configurator.check_device(settings["device"])
@@ -301,10 +291,10 @@ def main(argv=None):
             try:
                 row = planned(a.args, a.nproc)
             except BackendError as e:  # (what train.py would refuse: ddp with cpu_offload, say)
-                error(str(e))
+                configurator.fail(str(e))
             refusal = memory_refusal(settings, a.nproc, gpu_bytes, row)
             if refusal:
-                error(refusal)
+                configurator.fail(refusal)
         print(f"fakehosts: {a.nproc} ranks of {settings['dist_backend']} on one {settings['device'].split(':')[0]}"
               f"{f' ({gpu_bytes / GiB:.1f} GiB)' if gpu_bytes else ''}; {params:,} parameters, "
               f"model state about {estimate / MiB:,.1f} MiB per rank", flush=True)
@@ -312,7 +302,8 @@ def main(argv=None):
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     res = launch(a.nproc, a.script, a.args, timeout=a.timeout, stream=sys.stdout)
     if res.timed_out:
-        error(f"timed out after {a.timeout:g}s: every fake host stopped", 124)
+        print(f"error: timed out after {a.timeout:g}s: every fake host stopped", file=sys.stderr, flush=True)
+        sys.exit(124)
     if rehearsal and res.returncode == 0:
         rows = last_run_memory_rows(settings["out_dir"])
         for line in memory_report(rows, a.nproc, estimate, gpu_bytes):

@@ -12,7 +12,6 @@ It also measures the per-process memory plan.py names but cannot count: the CUDA
 cuBLAS's workspace (one fresh process), and NCCL's buffers (two fake hosts, over sockets). Each run
 is one line on stdout as it ends. On CPU it runs all of it; the measured figures are then absent.
 """
-import argparse
 import json
 import subprocess
 import sys
@@ -23,9 +22,11 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts"))
 import bench  # noqa: E402
+import configurator  # noqa: E402
 import fakehosts  # noqa: E402
 import plan  # noqa: E402
 import training  # noqa: E402
+from backends import BACKENDS  # noqa: E402
 
 MiB = 2**20
 # each run: two steps as train.py takes them, nothing else that allocates (no evaluation, no checkpoint)
@@ -131,13 +132,22 @@ def compare(backend, world, args, timeout, log, repeats):
 
 
 def main(argv):
-    parser = argparse.ArgumentParser(description="plan.py against CUDA's counters")
-    parser.add_argument("--json", required=True)
-    parser.add_argument("--backends", default="ddp,fsdp,custom_fsdp")
-    parser.add_argument("--nproc", default="1,2")
+    # (no abbreviations: a flag it does not take goes to train.py whole, as typed)
+    parser = configurator.ArgumentParser(description=__doc__, allow_abbrev=False)
+    parser.add_argument("--json", required=True,
+                        help="where to write the rows, and beside it the runs' .log (required)")
+    parser.add_argument("--backends", default="ddp,fsdp,custom_fsdp", help="backends, comma-separated")
+    parser.add_argument("--nproc", default="1,2", help="world sizes, comma-separated")
     parser.add_argument("--repeats", type=int, default=3, help="train.py runs per row; the plan stands beside the highest")
     parser.add_argument("--timeout", type=float, default=300, help="seconds per train.py run")
     a, args = parser.parse_known_args(argv)
+    for backend in a.backends.split(","):
+        if backend not in BACKENDS:
+            parser.error(f"--backends: unknown backend '{backend}' (choose one of {', '.join(BACKENDS)})")
+    if not all(w.isdigit() and int(w) >= 1 for w in a.nproc.split(",")):
+        parser.error(f"--nproc={a.nproc}: world sizes, comma-separated, each at least 1")
+    if a.repeats < 1:
+        parser.error(f"--repeats={a.repeats}: at least 1")
     worlds = [int(w) for w in a.nproc.split(",")]
     result = bench.provenance(["--json=" + a.json] + argv)
     result["command"] = "python scripts/plan_check.py " + " ".join(argv)
