@@ -9,6 +9,7 @@ from conftest import REPO, launch, launcher
 HELP = [
     ("train.py", ["--max_iters=2000", "--dist_backend='ddp'"]),
     ("sample.py", ["--num_samples=3", "--max_new_tokens=300"]),
+    ("plan.py", ["--nproc='1,2,4,8' world sizes to plan", "--gpu='' a100, h100 or h200", "--dtype='bfloat16'"]),
     ("bench.py", ["--backends BACKENDS rows, comma-separated (default: ddp,fsdp,custom_fsdp)",
                   "--repeats REPEATS runs per backend, interleaved (default: 3)"]),
     ("compare.py", ["OUT_DIR run directories holding metrics.jsonl", "--out OUT", "(default: compare.png)"]),
@@ -26,6 +27,7 @@ HELP = [
 BAD = [
     ("train.py", ["--no_such_key=1"], "error: unknown config key 'no_such_key'"),
     ("sample.py", ["--num_samples=0"], "error: num_samples=0 must be at least 1"),
+    ("plan.py", ["--json", "plan.json"], "error: --json takes its value after '=': --json=VALUE"),
     ("bench.py", ["--backends=zero"],
      "error: bench.py: --backends: unknown backend 'zero' in 'zero' (choose one of ddp, fsdp, custom_fsdp)"),
     ("bench.py", ["--render", "--nproc=2"], "error: bench.py: --render reads results/ and runs nothing: "
