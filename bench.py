@@ -278,11 +278,23 @@ def git_commit(folder=HERE):
         return os.environ.get("BENCH_COMMIT")
 
 
+def portable(args):
+    """The command's arguments as another checkout reruns them: a path inside this checkout relative
+    to it, and --work_dir (the runs' scratch folder, which changes no figure) left out."""
+    def relative(arg):
+        key, eq, value = arg.partition("=")
+        if eq and os.path.isabs(value) and os.path.realpath(value).startswith(os.path.realpath(HERE) + os.sep):
+            return key + eq + os.path.relpath(os.path.realpath(value), os.path.realpath(HERE))
+        return arg
+    return [relative(a) for a in args if not a.startswith("--work_dir=")]
+
+
 def provenance(argv=None):
     """What every JSON opens with, but the device (known once the runs say whether they used CUDA)."""
     import torch
     script = os.path.basename(sys.argv[0]) if sys.argv[0].endswith(".py") else "bench.py"  # (as it was run)
-    return {"command": f"python {script} " + shlex.join(sys.argv[1:] if argv is None else argv), "device": None,
+    args = portable(sys.argv[1:] if argv is None else argv)
+    return {"command": f"python {script} " + shlex.join(args), "device": None,
             "torch": torch.__version__, "commit": git_commit(),
             "date": datetime.now(timezone.utc).isoformat(timespec="seconds")}
 

@@ -354,19 +354,20 @@ def test_bench_interleaves_the_rows_and_returns_the_table_it_prints(tmp_path, ca
 
 @pytest.mark.parametrize("mode,written", [([], "bench.json"), (["--sweep"], "sweep.json")])
 def test_each_mode_writes_its_own_default_json_opening_with_its_provenance(mode, written, tmp_path, capsys):
-    """Every JSON bench.py writes opens with how it was made: the command as typed, the device, torch,
-    the commit and the date (UTC, to the second)."""
+    """Every JSON bench.py writes opens with how it was made: the command as another checkout reruns it
+    (a path inside this one relative to it, the scratch --work_dir left out), the device, torch, the
+    commit and the date (UTC, to the second)."""
     import torch
     result = {"device": "cpu: a test CPU (2 cores)", "mode": written}
-    argv = ["bench.py", *mode, f"--work_dir={tmp_path}", "--data_dir=my data"]
+    argv = ["bench.py", *mode, f"--work_dir={tmp_path}", "--data_dir=my data", "--n_layer=2", f"--config={REPO / 'config'}"]
     with mock.patch.object(bench, "bench_backends", return_value=result), \
             mock.patch.object(bench, "sweep", return_value=result), mock.patch.object(sys, "argv", argv):
         bench.main()
     assert os.listdir(tmp_path) == [written]
     saved = json.loads((tmp_path / written).read_text())
     assert list(saved) == ["command", "device", "torch", "commit", "date", "mode"]
-    assert saved["command"] == "python bench.py " + " ".join(mode + [f"--work_dir={tmp_path}", "'--data_dir=my data'"])
-    assert shlex.split(saved["command"])[2:] == argv[1:]
+    assert saved["command"] == "python bench.py " + " ".join(mode + ["'--data_dir=my data'", "--n_layer=2", "--config=config"])
+    assert shlex.split(saved["command"])[2:] == [*mode, "--data_dir=my data", "--n_layer=2", "--config=config"]
     assert saved["device"] == "cpu: a test CPU (2 cores)" and saved["torch"] == torch.__version__
     assert saved["commit"] == bench.git_commit()
     assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\+00:00", saved["date"]), saved["date"]
