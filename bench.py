@@ -418,9 +418,13 @@ def render_file(path):
 
 
 def render_results(results_dir=None):
-    """Every results_dir/*.json (RESULTS_DIR's by default), in name order, as markdown sections."""
+    """Every results_dir/*.json (RESULTS_DIR's by default) as markdown sections, the newest first
+    (by its date; files measured at the same time by name)."""
     results_dir = RESULTS_DIR if results_dir is None else results_dir
-    sections = [render_file(path) for path in sorted(glob.glob(os.path.join(results_dir, "*.json")))]
+    paths = sorted(glob.glob(os.path.join(results_dir, "*.json")))
+    dates = {path: read(path, json.load).get("date") or "" for path in paths}
+    paths.sort(key=lambda path: dates[path], reverse=True)  # (a stable sort: the names' order within one date)
+    sections = [render_file(path) for path in paths]
     return "\n\n".join("\n".join(s) for s in sections)
 
 

@@ -425,16 +425,22 @@ def write_results(folder):
     sweep = {f"custom_fsdp-w{w}": bench.summarize_run(synthetic_run(100.0 / w, 40.0 / w, 700.0 - w), "custom_fsdp")
              for w in (1, 2, 4)}
     (folder / "h100-gpt2.json").write_text(json.dumps(bench_json))
-    (folder / "cpu-sweep.json").write_text(json.dumps(PROVENANCE | {"device": "cpu: X (2 cores)", "sweep": sweep}))
+    (folder / "cpu-sweep.json").write_text(json.dumps(PROVENANCE | {"device": "cpu: X (2 cores)", "sweep": sweep,
+                                                                     "date": "2025-01-03T00:00:00+00:00"}))
     return folder
 
 
 def test_render_writes_each_results_file_as_a_markdown_table(tmp_path, capsys):
-    """Sorted by name; each a heading, where it was measured (device, torch, commit, date, command),
+    """The newest first; each a heading, where it was measured (device, torch, commit, date, command),
     and its table: the figures with their ratios to the first row, and the paired ratio."""
-    md = bench.render_results(write_results(tmp_path / "results")).split("\n")
+    folder = write_results(tmp_path / "results")
+    md = bench.render_results(folder).split("\n")
     sweep_at, table_at = md.index("### results/cpu-sweep.json"), md.index("### results/h100-gpt2.json")
-    assert sweep_at < table_at
+    assert sweep_at < table_at  # (the sweep's date is the later one, its name too: then the other way round)
+    older_sweep = json.loads((folder / "cpu-sweep.json").read_text()) | {"date": "2024-12-31T00:00:00+00:00"}
+    (folder / "cpu-sweep.json").write_text(json.dumps(older_sweep))
+    reordered = bench.render_results(folder).split("\n")
+    assert reordered.index("### results/h100-gpt2.json") < reordered.index("### results/cpu-sweep.json")
     assert md[table_at + 2] == ("NVIDIA H100 80GB HBM3; torch 2.13.0; commit abc1234; 2025-01-02T03:04:05+00:00; "
                                 "`python bench.py --backends=ddp,fsdp --nproc=2`")
     header, rule, ddp, fsdp, ours = md[table_at + 4:table_at + 9]
