@@ -1,4 +1,4 @@
-# Fine-tune OpenAI's GPT-2 (124M) on tiny Shakespeare, in GPT-2's BPE; minutes on one GPU.
+# Fine-tune OpenAI's GPT-2 (124M) on tiny Shakespeare, in GPT-2's BPE (not yet timed on a GPU).
 #   python data/shakespeare/prepare.py
 #   torchrun --standalone --nproc_per_node=2 train.py config/finetune_shakespeare.py --dist_backend=custom_fsdp
 # transformers fetches the weights (offline: HF_HUB_OFFLINE=1, with them in its cache).

@@ -1,4 +1,4 @@
-# Small character-level model on tiny Shakespeare; trains on a laptop CPU in minutes.
+# Small character-level model on tiny Shakespeare, sized for a CPU: README's quick start trains it on 2 processes.
 #   python data/shakespeare_char/prepare.py
 #   python train.py config/train_shakespeare_char.py
 
