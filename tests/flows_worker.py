@@ -174,8 +174,35 @@ def data(step, k=0):
     return torch.randn(4, D, generator=g)
 
 
-def full(t):  # a buggy run may leave plain (unsharded) tensors where DTensors belong
-    return t.full_tensor() if isinstance(t, DTensor) else t
+def full(t):
+    """t's whole tensor, gathered with the c10d all-gather FSDP itself calls. DTensor.full_tensor()
+    would go through torch's functional collectives, whose wait aborted this worker once in CI
+    ("double free or corruption" inside wait_tensor on gloo); the flows call this tens of
+    thousands of times, and test FSDP, not that path. A buggy run may leave a plain tensor."""
+    if not isinstance(t, DTensor):
+        return t
+    whole = t.to_local()
+    for mesh_dim in reversed(range(t.device_mesh.ndim)):  # (the innermost split first)
+        placement = t.placements[mesh_dim]
+        if placement.is_partial():
+            raise ValueError(f"full(): a {placement} DTensor holds no whole tensor")
+        if placement.is_shard():
+            whole = gather_dim(whole, placement.dim, t.device_mesh.get_group(mesh_dim))
+    return whole
+
+
+def gather_dim(local, dim, group):
+    """The ranks' pieces of a tensor split on `dim`, in rank order; pieces may differ in length."""
+    if group.size() == 1:
+        return local
+    lengths = torch.empty(group.size(), dtype=torch.int64)
+    dist.all_gather_into_tensor(lengths, torch.tensor([local.shape[dim]]), group=group)
+    longest, rows = int(lengths.max()), local.movedim(dim, 0)
+    padded = torch.cat([rows, rows.new_zeros(longest - rows.shape[0], *rows.shape[1:])]).contiguous()
+    out = padded.new_empty(group.size() * longest, *rows.shape[1:])
+    dist.all_gather_into_tensor(out, padded, group=group)
+    pieces = [out[i * longest:i * longest + n] for i, n in enumerate(lengths.tolist())]
+    return torch.cat(pieces).movedim(0, dim)
 
 
 def full_params(model):
