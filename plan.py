@@ -639,15 +639,17 @@ class Child:
         import pickle
         self.read_end, write_end = os.pipe()
         self.pid = os.fork()
-        if self.pid == 0:  # the child
-            os.close(self.read_end)
+        if self.pid == 0:  # the child, which never returns (a parent gone before reading: EPIPE, exit)
             try:
-                result = (True, fn(*args, **kwargs))
-            except BaseException as e:  # (SystemExit of a refusal too: the parent raises it again)
-                result = (False, e)
-            with os.fdopen(write_end, "wb") as f:
-                pickle.dump(result, f)
-            os._exit(0)
+                os.close(self.read_end)
+                try:
+                    result = (True, fn(*args, **kwargs))
+                except BaseException as e:  # (SystemExit of a refusal too: the parent raises it again)
+                    result = (False, e)
+                with os.fdopen(write_end, "wb") as f:
+                    pickle.dump(result, f)
+            finally:
+                os._exit(0)
         os.close(write_end)
 
     def result(self):
