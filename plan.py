@@ -74,6 +74,7 @@ CUBLAS_WORKSPACE_BYTES = 32 * 2**20
 # outside the allocator: the CUDA context (lazy module loading), NCCL's buffers per communicator
 CUDA_CONTEXT_BYTES = 500 * 2**20
 NCCL_COMMUNICATOR_BYTES = 700 * 2**20
+ROWS_AT_ONCE = 2  # rows planned side by side: each plan runs on one core
 
 
 def print_help():
@@ -833,6 +834,8 @@ def largest_batch(settings, backend_name, world, rank, row, second, limit, gloo=
     guess under that line; the reserve grows in steps above it, so reserves around the guess settle
     it, stepping by doubling strides, then halving."""
     batch, other = settings["batch_size"], second_batch(settings["batch_size"])
+    if limit < 0:  # (the context and NCCL's buffers alone take more: no batch fits)
+        return 0
 
     def planned(batch):
         return in_child(plan, dict(settings, batch_size=batch), backend_name, world, rank, gloo=gloo, keep_trace=True)
@@ -899,12 +902,15 @@ def main(argv):
         backends = [b for b in backends if b != "ddp"]
     rows, timelines = [], []
     drawn = bool(own["timeline"] or own["timeline_json"])
-    for backend_name in backends:
-        for world in own["nproc"]:
-            rank = own["rank"] if own["rank"] < world else 0
-            print(f"planning {backend_name} at W={world}, rank {rank}", file=sys.stderr, flush=True)
+    jobs = [(backend_name, world, own["rank"] if own["rank"] < world else 0)
+            for backend_name in backends for world in own["nproc"]]
+    running = []  # rows planned two at a time, each in a process of its own (two cores), kept in order
+    for index, (backend_name, world, rank) in enumerate(jobs):
+        print(f"planning {backend_name} at W={world}, rank {rank}", file=sys.stderr, flush=True)
+        running.append(Child(plan_row, settings, backend_name, world, rank, own, limit, drawn, gloo))
+        while running and (len(running) == ROWS_AT_ONCE or index == len(jobs) - 1):
             try:
-                row, timeline = plan_row(settings, backend_name, world, rank, own, limit, drawn, gloo)
+                row, timeline = running.pop(0).result()
             except BackendError as e:
                 configurator.fail(str(e))
             rows.append(row)

@@ -440,3 +440,9 @@ def test_the_largest_batch_from_lines_is_the_one_planned_batch_by_batch(tmp_path
     assert res.returncode == 0, res.describe()
     for (lined, from_lines, planned), case in zip(json.loads(out.read_text()), cases):
         assert lined and from_lines == planned > 0, (case, from_lines, planned)
+
+
+def test_no_batch_fits_where_the_context_and_nccl_alone_take_more():
+    """A GPU whose memory the CUDA context and NCCL's buffers exceed: no batch fits, answered at once."""
+    settings = {"batch_size": 4}
+    assert plan.largest_batch(settings, "ddp", 2, 0, row={}, second={}, limit=-1) == 0
