@@ -697,16 +697,16 @@ def test_torchs_policy_objects_mean_what_they_mean_to_fsdp2():
 
 
 def readme_loop():
-    """The python block of README.md's section on fsdp_impl in a training loop of one's own."""
-    text = (REPO / "README.md").read_text()
+    """The python block of IMPLEMENTATION.md's section on fsdp_impl in a training loop of one's own."""
+    text = (REPO / "IMPLEMENTATION.md").read_text()
     section = text[text.index("## fsdp_impl in your own training loop"):]
     start = section.index("```python\n") + len("```python\n")
     return section[start:section.index("```\n", start)]
 
 
 def test_readme_loop_trains_as_under_fsdp2(tmp_path):
-    """README's own-loop example runs as written, at two ranks, and with FSDP2's fully_shard
-    imported instead prints the same losses, bit for bit, as README says."""
+    """The own-loop example runs as written, at two ranks, and with FSDP2's fully_shard imported
+    instead prints the same losses, bit for bit, as README and IMPLEMENTATION.md say."""
     code = readme_loop()
     swapped = code.replace("from fsdp_impl import fully_shard", "from torch.distributed.fsdp import fully_shard")
     assert swapped != code
