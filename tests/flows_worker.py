@@ -175,10 +175,10 @@ def data(step, k=0):
 
 
 def full(t):
-    """t's whole tensor, gathered with the c10d all-gather FSDP itself calls. DTensor.full_tensor()
-    would go through torch's functional collectives, whose wait aborted this worker once in CI
-    ("double free or corruption" inside wait_tensor on gloo); the flows call this tens of
-    thousands of times, and test FSDP, not that path. A buggy run may leave a plain tensor."""
+    """t's whole tensor, gathered with the c10d all-gather FSDP itself calls, not through
+    DTensor.full_tensor()'s functional collectives: the flows call this tens of thousands of times
+    and test FSDP, not that path, whose wait on gloo can abort ("double free or corruption" inside
+    wait_tensor). A buggy run may leave a plain tensor."""
     if not isinstance(t, DTensor):
         return t
     whole = t.to_local()
