@@ -100,19 +100,24 @@ class Layout:
         """This rank's piece of flat_full over the smaller group it reshards to after forward."""
         return torch.cat([full[rank] for full in self.group_full_slots])
 
-    def copy_out(self, output, in_group):
-        """The rank-major all-gather output into flat_full's places. A parameter sharded on dim d > 0
-        arrives as its chunks, one per rank: into a temporary, then concatenated along d."""
+    def copy_out(self, output, in_group, extra_sizes=(), extra_out=()):
+        """The rank-major all-gather output into flat_full's places, then into `extra_out` ([W, size]
+        each: the extension's inputs, gathered after flat_full's, in bytes if of other dtypes). A
+        parameter sharded on dim d > 0 arrives as its chunks: into a temporary, then concatenated along d."""
         if in_group:  # rank-major over the smaller group: each piece into its place
             torch.split_with_sizes_copy(output.view(self.post_forward_size, -1), self.group_slots, dim=1,
                                         out=self.group_full_slots)
             return
-        out = self.full_slots
+        out, sizes = self.full_slots, self.slots
         if self.cat_slots:
             out = list(out)
             for i, _ in self.cat_slots:
                 out[i] = torch.empty_like(out[i])
-        torch.split_with_sizes_copy(output.view(self.world, self.gather_numel), self.slots, dim=1, out=out)
+        if extra_out:
+            if output.dtype != self.gather_dtype:  # gathered as bytes
+                out, sizes = [o.view(output.dtype) for o in out], [s * self.gather_dtype.itemsize for s in sizes]
+            out, sizes = [*out, *extra_out], [*sizes, *extra_sizes]
+        torch.split_with_sizes_copy(output.view(self.world, -1), sizes, dim=1, out=out)
         for i, ps in self.cat_slots:
             chunks = out[i].view(ps.gather_dtype).view(self.world, *ps.local_shape).unbind()
             torch.cat(chunks, dim=ps.dim, out=self.full_slots[i].view(ps.gather_dtype).view(ps.shape))

@@ -42,7 +42,7 @@ class ParamShard:
     its local tensor's; `global_shape` the whole parameter's."""
     __slots__ = ("registrations", "tp_spec", "shape", "dim", "first", "padded_numel", "local_shape", "local_numel",
                  "stride", "dtype", "offset", "slot", "gather_dtype", "gather_offset", "gather_slot", "mesh",
-                 "placements", "global_shape", "sharded", "unsharded", "requires_grad")  # (no field added elsewhere)
+                 "placements", "global_shape", "sharded", "unsharded", "requires_grad", "extension")  # (no field added elsewhere)
 
     def __init__(self, registrations, param, world, rank, mesh, placements, dim):
         self.registrations = registrations  # [(module, attribute name)], several when tied
@@ -65,6 +65,7 @@ class ParamShard:
         self.sharded = None  # nn.Parameter(DTensor)
         self.unsharded = None  # UnshardedParam
         self.requires_grad = param.requires_grad  # as last seen on both parameter objects
+        self.extension = None  # ExtensionParam, when its local tensor has the all-gather hooks
 
     def as_sharded(self, local):
         """The sharded DTensor whose local tensor is `local`, this rank's chunk."""

@@ -16,6 +16,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from . import comm
 from .comm import ledger, on_stream, profiled
+from .extension import ExtensionParam, has_extension
 from .layout import Layout
 from .param import ParamShard, UnshardedParam, local_tensor, same_storage
 from .reduce import GradReduction, ReduceKnobs
@@ -55,6 +56,7 @@ class Gather(NamedTuple):
     input: torch.Tensor
     copied_in: object  # offload: the copy-in stream's event after the shard's copy, else None
     in_group: bool  # from `_group_shard`, over the smaller group (rank-major over it)
+    extension_split: tuple = None  # with extension inputs: (their dtypes per parameter, the output's dtype)
 
 
 def reshard_after_forward_flag(value, world):
@@ -140,7 +142,7 @@ class ShardedUnit:
 
     def _shard(self):
         found = self._managed_params()
-        self.params = []
+        self.params, extended = [], []
         for p, regs in found.items():
             if p.dim() == 0:
                 raise ValueError(f"fully_shard({self.name}): 0-dim parameter {regs[0][1]} is not supported")
@@ -149,15 +151,35 @@ class ShardedUnit:
                                           "say): sharding would lose its memory format; make it contiguous first")
             dim = self._shard_dim(p, regs[0][1])
             self.params.append(ParamShard(regs, p, self.world, self.rank, *self._sharded_placement(p, dim), dim))
-        self.layout = Layout(self.params, self.world, self.post_forward_size)
+            if has_extension(local_tensor(p)):
+                self._check_extension(self.params[-1], regs[0][1])
+                extended.append(self.params[-1])
+        self.layout = Layout([ps for ps in self.params if ps not in extended], self.world, self.post_forward_size)
         on_meta = any(p.is_meta for p in found)
         self.flat_shard = self._new_flat_shard(torch.device("meta") if on_meta else self.compute_device)
+        shard_mesh = self.mesh if self.mesh.ndim == 1 else self.mesh[self.mesh.mesh_dim_names[-1]]
         for ps, p in zip(self.params, found):
-            local = self.layout.local_view(self.flat_shard, ps)
-            if not on_meta:
-                local.copy_(ps.chunk_of(local_tensor(p).detach()))
+            if ps in extended:  # a shard of its own, of its own subclass
+                ps.extension = ExtensionParam(ps, ps.chunk_of(local_tensor(p).detach()), ps.registrations[0][0],
+                                              shard_mesh, self.mp, self.offload, self.pin_memory)
+                local = ps.extension.local(ps)
+            else:
+                local = self.layout.local_view(self.flat_shard, ps)
+                if not on_meta:
+                    local.copy_(ps.chunk_of(local_tensor(p).detach()))
             ps.sharded = nn.Parameter(ps.as_sharded(local), requires_grad=p.requires_grad)
+        self.extended = extended  # parameters with the all-gather extension (extension.py)
         self._register(unsharded=False)
+
+    def _check_extension(self, ps, name):
+        """What fsdp_impl's extension path leaves out, refused (FSDP2's type where FSDP2 refuses it too)."""
+        where = f"fully_shard({self.name}): {name} has the all-gather extension (fsdp_pre_all_gather)"
+        if self.post_forward_size:  # (FSDP2 refuses it at the next all-gather)
+            raise NotImplementedError(f"{where}: reshard_after_forward={self.post_forward_size} is not supported "
+                                      "with it; use True or False")
+        if ps.tp_spec is not None or ps.dim:
+            raise NotImplementedError(f"{where}: fsdp_impl shards such a parameter on dim 0 and without tensor "
+                                      "parallelism only")
 
     def _shard_dim(self, param, name):
         """The dim shard_placement_fn asks for (None: 0; of a tensor parallel parameter, of its local
@@ -227,7 +249,7 @@ class ShardedUnit:
         self._init_dtypes()
         self.flat_full = torch.empty(self.world * self.layout.gather_numel, dtype=self.layout.gather_dtype,
                                      device=self.compute_device)
-        for ps, view in zip(self.params, self.layout.views_of(self.flat_full)):
+        for ps, view in zip(self.layout.params, self.layout.views_of(self.flat_full)):
             ps.unsharded = UnshardedParam(view, ps)
         self._full_bytes = self.flat_full.untyped_storage().nbytes()
         self.flat_full.untyped_storage().resize_(0)
@@ -251,18 +273,26 @@ class ShardedUnit:
     def _adopt_materialized_params(self):
         """After module.to_empty() or module.to(dtype), parameters hold fresh tensors: copy them back
         into a flat shard (of their dtype)."""
-        if not self.params or all(same_storage(ps.sharded.to_local(), self.flat_shard) for ps in self.params):
-            return
         if any(ps.sharded.is_meta for ps in self.params):
             return  # a load into a meta model under way: the hook of its last module adopts them all
-        self.layout.lay_out_shard([ps.sharded.dtype for ps in self.params])  # module.to(dtype) may change it
-        flat = self._new_flat_shard(self.params[0].sharded.device)
-        for ps in self.params:
+        for ps in self.extended:  # padded again, as FSDP2 pads a new local tensor
+            if ps.sharded._local_tensor is not ps.extension.held:
+                self._swap_in(ps, ps.extension.adopt(ps, ps.sharded._local_tensor, self.offload, self.pin_memory))
+        plain = self.layout.params
+        if not plain or all(same_storage(ps.sharded.to_local(), self.flat_shard) for ps in plain):
+            return
+        self.layout.lay_out_shard([ps.sharded.dtype for ps in plain])  # module.to(dtype) may change it
+        flat = self._new_flat_shard(plain[0].sharded.device)
+        for ps in plain:
             local = self.layout.local_view(flat, ps)
             local.copy_(ps.sharded.to_local())
-            fresh = nn.Parameter(ps.as_sharded(local), requires_grad=ps.sharded.requires_grad)
-            torch.utils.swap_tensors(ps.sharded, fresh)  # keeps the object the optimizer holds
+            self._swap_in(ps, local)
         self.flat_shard = flat
+
+    @staticmethod
+    def _swap_in(ps, local):
+        """The sharded parameter's local tensor becomes `local`; the object the optimizer holds stays."""
+        torch.utils.swap_tensors(ps.sharded, nn.Parameter(ps.as_sharded(local), requires_grad=ps.sharded.requires_grad))
 
     def adopt_assigned_params(self):
         """After load_state_dict(assign=True), or a parameter assigned before the first forward, the
@@ -302,21 +332,43 @@ class ShardedUnit:
                 shard, group, self._group_shard = self._group_shard, self.post_forward_group, None
             else:
                 shard, group = self.layout.gather_input(self.flat_shard, self.compute_device), self.shard_group
+            split = None
+            if self.extended:
+                shard, split = self._with_extension_inputs(shard)
             ledger.log("all_gather" if group is self.shard_group else "all_gather_in_smaller_group", self.name)
-            if self.world == 1:
+            if self.world == 1 and not self.extended:
                 # one rank: the "all-gather" copies (and casts) the shard straight into flat_full
                 self._fill_flat_full()
                 output = self.flat_full
             else:
-                output = torch.empty(self.world * self.layout.gather_numel, dtype=self.layout.gather_dtype,
-                                     device=self.compute_device)
+                numel, dtype = (shard.numel(), shard.dtype) if split else (self.layout.gather_numel,
+                                                                           self.layout.gather_dtype)
+                output = torch.empty(self.world * numel, dtype=dtype, device=self.compute_device)
             # a write into the unsharded parameters bumps their version counter; autograd saved them
             # in forward and must not see an in-place change (the copy-out is guarded the same way)
             with torch.autograd._unsafe_preserve_version_counter(self.flat_full):
                 work = comm.all_gather(output, shard, group)
             self._gather = Gather(work, output, shard, copy_in.record_event() if copy_in is not None else None,
-                                  group is not self.shard_group)
+                                  group is not self.shard_group, split)
         self.state = GATHERING
+
+    def _with_extension_inputs(self, plain):
+        """One all-gather input: flat_shard's (`plain`), then each hooked parameter's inputs, in one
+        dtype, or all as bytes if they differ (FSDP2's rule) -> (input, (dtypes per parameter, dtype))."""
+        inputs = [plain] if self.layout.params else []
+        per_param = []
+        for ps in self.extended:
+            ours = ps.extension.inputs(ps, ps.sharded._local_tensor, self.compute_device)
+            per_param.append([t.dtype for t in ours])
+            inputs += ours
+        dtypes = {t.dtype for t in inputs}
+        dtype = dtypes.pop() if len(dtypes) == 1 else torch.uint8
+        if dtype == torch.uint8:
+            inputs = [t.view(torch.uint8) for t in inputs]
+        sizes = [t.numel() for t in inputs]
+        shard = torch.empty(sum(sizes), dtype=dtype, device=self.compute_device)
+        torch._foreach_copy_(shard.split(sizes), inputs)
+        return shard, (per_param, dtype)
 
     def wait_unshard(self):
         if self.state in (SHARDED, SHARDED_POST_FORWARD):
@@ -325,7 +377,7 @@ class ShardedUnit:
             self._finish_gather()
 
     def _finish_gather(self):
-        work, output, _, copied_in, in_group = self._gather
+        work, output, _, copied_in, in_group, split = self._gather
         with profiled(f"fsdp::all_gather_wait {self.name}"):  # (no graph to keep from, as in unshard)
             work.wait()  # (if it raises, the gather stays pending: a later wait raises the same error)
             if copied_in is not None:
@@ -334,10 +386,30 @@ class ShardedUnit:
             ledger.log("all_gather_wait", self.name)
             if output is not self.flat_full:  # (one rank gathers into flat_full itself)
                 self._fill_flat_full()
-                with torch.autograd._unsafe_preserve_version_counter(self.flat_full):
-                    self.layout.copy_out(output, in_group)
+                sizes, outs = self._extension_outputs(*split) if split else ((), ())
+                with torch.autograd._unsafe_preserve_version_counter((self.flat_full, *outs)):
+                    self.layout.copy_out(output, in_group, sizes, outs)
+            if split:
+                self._post_all_gather()
         self._register(unsharded=True)
         self.state = UNSHARDED
+
+    def _extension_outputs(self, per_param, dtype):
+        """Where the copy-out puts the hooked parameters' gathered inputs: [W, size] each, in `dtype`."""
+        outs = []
+        for ps, dtypes in zip(self.extended, per_param):
+            outs += ps.extension.output_views(self.world, dtypes, self.compute_device)
+        if dtype == torch.uint8:
+            outs = [o.view(torch.uint8) for o in outs]
+        return [o.shape[1] for o in outs], outs
+
+    def _post_all_gather(self):
+        """fsdp_post_all_gather: the first gather builds each hooked parameter's unsharded form; later
+        ones refill it in place (out=), as the copy-out refills flat_full."""
+        for ps in self.extended:
+            built = ps.extension.unsharded(ps, self.mp.param_dtype, ps.unsharded and ps.unsharded.param)
+            if built is not None:
+                ps.unsharded = UnshardedParam(built, ps)
 
     def _fill_flat_full(self):
         """Give flat_full's storage memory again (FSDP2's storage resize): the storage object stays
@@ -366,6 +438,8 @@ class ShardedUnit:
         self._sync_requires_grad()  # a freeze of the unsharded parameters outlives them
         self._register(unsharded=False)
         self.flat_full.untyped_storage().resize_(0)
+        for ps in self.extended:
+            ps.extension.free()
         ledger.log("free", self.name)
         self.state = SHARDED if self._group_shard is None else SHARDED_POST_FORWARD
 
@@ -425,6 +499,8 @@ class ShardedUnit:
         """requires_grad_() may be called on the sharded parameter (the optimizer's) or the unsharded one
         (registered while gathered): the one that changed since the last look sets both."""
         for ps in self.params:
+            if ps.unsharded is None:  # a hooked parameter before its first gather
+                continue
             sharded, unsharded = ps.sharded.requires_grad, ps.unsharded.param.requires_grad
             if sharded == unsharded == ps.requires_grad:
                 continue

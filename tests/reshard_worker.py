@@ -10,9 +10,11 @@ every unit resharded to 2, plain, bf16 with accumulation, with a unit of two dty
 (replicate=1, shard=4), each all-gather's group size noted; then what reshard_after_forward=2 is
 refused beside. Rank 0 writes OUT.json; tests/test_reshard.py asserts on it.
 """
+import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 
-from mesh_training import build, compare, data, write_report
+from halves import Whole
+from mesh_training import SHARD, build, compare, data, write_report
 
 
 def reshard_to_2_refusals():
@@ -31,7 +33,22 @@ def reshard_to_2_refusals():
     res = {impl: {"tensor_parallel": attempt(impl, dp_tp["dp"], dp_tp["tp"], reshard_to=2),
                   "not_a_factor": attempt(impl, dp, None, reshard_to=3)} for impl in ("ours", "fsdp2")}
     res["ours"]["dim_1"] = attempt("ours", dp, None, dim_1=True, reshard_to=2)
+    for impl in res:  # beside a parameter with the all-gather extension of one input (FSDP2: in backward)
+        res[impl]["extension"] = attempt_extension(impl, dp)
     return res
+
+
+def attempt_extension(impl, mesh):
+    try:
+        layer = nn.Linear(8, 8)
+        layer.weight = nn.Parameter(Whole(layer.weight.detach().clone()))
+        model = nn.Sequential(layer, nn.Tanh())
+        SHARD[impl](layer, mesh=mesh, reshard_after_forward=2)
+        SHARD[impl](model, mesh=mesh)
+        model(data(0, 0)).sum().backward()
+        return None
+    except Exception as e:
+        return {"type": type(e).__name__, "lines": len(str(e).splitlines())}
 
 
 def report():
