@@ -35,9 +35,11 @@ def init_distributed(dist_backend, pg_backend, device, timeout_s):
     Returns (rank, world_size, device): one GPU per process on CUDA; gloo on CPU.
     """
     if "RANK" not in os.environ:
+        if device.startswith("cuda"):  # (--device=cuda:1: the current device, which fsdp_impl computes on)
+            torch.cuda.set_device(device)
         if dist_backend != "ddp":  # FSDP needs a process group, even a group of one
             dist.init_process_group("gloo" if device == "cpu" else pg_backend, store=dist.HashStore(),
-                                    rank=0, world_size=1)
+                                    rank=0, world_size=1, pg_options=high_priority_streams(pg_backend, device))
         return 0, 1, device
     rank, local_rank, world_size = (int(os.environ[k]) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
     if device.startswith("cuda"):
@@ -50,12 +52,24 @@ def init_distributed(dist_backend, pg_backend, device, timeout_s):
                                     is_master=False, timeout=timeout)
         store = dist.PrefixStore(f"attempt{restart}", agent_store)
     dist.init_process_group(pg_backend if device.startswith("cuda") else "gloo", timeout=timeout, store=store,
-                            rank=rank if store else -1, world_size=world_size if store else -1)
+                            rank=rank if store else -1, world_size=world_size if store else -1,
+                            pg_options=high_priority_streams(pg_backend, device))
     if world_size > 1:
         # every rank is through the connecting before any may refuse the settings and leave: a peer still
         # connecting would lose torchrun's store and print a traceback under the refusal's one line
         dist.barrier(device_ids=[local_rank] if device.startswith("cuda") else None)
     return rank, world_size, device
+
+
+def high_priority_streams(pg_backend, device):
+    """NCCL's options with its internal streams at high priority, where FSDP2 puts its all-gather and
+    reduce-scatter streams: the collective kernels that fsdp_impl and DDP issue run on those streams,
+    and the GPU schedules them before compute kernels queued at the same time. Every backend gets it."""
+    if pg_backend != "nccl" or not device.startswith("cuda") or not dist.is_nccl_available():
+        return None
+    options = dist.ProcessGroupNCCL.Options()
+    options.is_high_priority_stream = True
+    return options
 
 
 def use_deterministic_kernels():

@@ -293,8 +293,8 @@ def read_when_done(*scalars):
     ('skip' reads them before its step and again for the step's row)."""
     host = [t.to("cpu", torch.float32, non_blocking=True) for t in scalars]  # (into pinned memory from a GPU)
     copied = torch.cuda.Event() if device_type == "cuda" else None
-    if copied is not None:
-        copied.record()
+    if copied is not None:  # on the stream of the scalars' device, where the copies run
+        copied.record(torch.cuda.current_stream(scalars[0].device))
 
     @functools.cache
     def read():

@@ -190,8 +190,12 @@ def _pre_forward(module, args, kwargs):
     unit = module._fsdp_unit
     if unit.schedule is None:
         _lazy_init(module)
-    if unit is unit.schedule.root and unit.compute_device.type == "cuda":  # (as FSDP2's root, and DDP)
-        args, kwargs = _to_device(args, unit.compute_device), _to_device(kwargs, unit.compute_device)
+    if unit is unit.schedule.root:
+        if unit.post_optim_event is not None:  # the shards the gathers read are updated once it is done
+            event, unit.post_optim_event = unit.post_optim_event, None
+            event.wait()  # (the current stream waits: fsdp_impl's all-gathers are issued from it)
+        if unit.compute_device.type == "cuda":  # (as FSDP2's root, and DDP)
+            args, kwargs = _to_device(args, unit.compute_device), _to_device(kwargs, unit.compute_device)
     with _outside_func_transforms():
         needs_gate = unit.pre_forward(torch.is_grad_enabled())
     if unit.mp.param_dtype is not None and unit.mp.cast_forward_inputs:
@@ -376,9 +380,10 @@ class FSDPModule:
         not gathered for backward, nor prefetched (FSDP2's)."""
         self._fsdp_unit.unshard_in_backward = unshard_in_backward
 
-    def set_post_optim_event(self, event):
-        """Accepted, with nothing to do: FSDP2 makes its gathers' stream wait on this event after the
-        optimizer step; fsdp_impl gathers on the compute stream, which runs after the step anyway."""
+    def set_post_optim_event(self, event) -> None:
+        """The root's next forward waits for `event` (recorded after an optimizer step that ran on a
+        stream of its own, say) before its first all-gather, once, as FSDP2's root does."""
+        self._fsdp_unit.post_optim_event = event
 
     def _set_unshard_async_op(self, async_op):
         """Accepted, with nothing to do: fsdp_impl's gathers are asynchronous collectives already."""

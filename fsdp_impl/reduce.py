@@ -108,6 +108,7 @@ class GradReduction:
         self.kept_sums = None  # Collective without work: HSDP with the all-reduce off, replica-local sums
         self.copied_out = None  # offload: event of the grads' copy to CPU memory, while in flight
         self.holds_unreduced = False  # grads accumulated with gradient sync off, not yet reduce-scattered
+        self.post_reduce_stream = None  # where the reduced grads are divided and hooked: see _reduce_scatter
 
     @torch.no_grad()
     def reduce(self):
@@ -165,10 +166,14 @@ class GradReduction:
                 rs_input = torch.empty(self.world * numel, dtype=self.reduce_dtype, device=self.device)
                 torch._chunk_cat(grads, dim=0, num_chunks=self.world, out=rs_input.view(self.world, -1))
             grads.clear()  # the unsharded gradients are freed here
-            if ops.divide_before is not None:
-                rs_input.div_(ops.divide_before)
-            if self.world == 1 and self.knobs.gradient_divide_factor is not None:  # (FSDP2's, whatever the ops)
-                rs_input.div_(self.knobs.gradient_divide_factor)
+            # what follows reads and writes rs_input on the stream that filled it: at one rank offloaded, the
+            # copy-out stream, to the copy to the CPU (as FSDP2's foreach_reduce keeps to its reduce streams)
+            self.post_reduce_stream = copy_out
+            with on_stream(copy_out):
+                if ops.divide_before is not None:
+                    rs_input.div_(ops.divide_before)
+                if self.world == 1 and self.knobs.gradient_divide_factor is not None:  # (FSDP2's, whatever the ops)
+                    rs_input.div_(self.knobs.gradient_divide_factor)
             # the output, which outlives the step as the sharded grads, only now (FSDP2's order too):
             # allocated before, it was one shard more at the peak, beside the unsharded grads
             rs_output = rs_input.new_empty(numel) if self.world > 1 else rs_input
@@ -248,11 +253,12 @@ class GradReduction:
     def _into_sharded_grads(self, output, params):
         """The reduced flat `output` (over `params`), after set_all_reduce_hook's hook and the division
         sums-only reductions leave (both in place), added into the sharded grads."""
-        if self.knobs.all_reduce_hook is not None:
-            self.knobs.all_reduce_hook(output)
-        after = self.ops().divide_after
-        if after is not None and after != 1:
-            output.div_(after)
+        with on_stream(self.post_reduce_stream):
+            if self.knobs.all_reduce_hook is not None:
+                self.knobs.all_reduce_hook(output)
+            after = self.ops().divide_after
+            if after is not None and after != 1:
+                output.div_(after)
         if self.offload:
             output = self._copy_out(output, adding=any(ps.sharded.grad is not None for ps in params))
         else:

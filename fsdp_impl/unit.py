@@ -95,6 +95,7 @@ class ShardedUnit:
         self.reshard_after_backward = True
         self.is_last_backward = True  # the root's: False leaves the reductions in flight at the end of backward
         self.unshard_in_backward = True  # False: backward needs none of its parameters (an embedding's)
+        self.post_optim_event = None  # the root's: set_post_optim_event's, waited by its next forward
         self.forward_prefetch = None  # None: the next unit in forward order; [] switches it off
         self.backward_prefetch = None
         # per-step state

@@ -696,6 +696,57 @@ def test_torchs_policy_objects_mean_what_they_mean_to_fsdp2():
     assert lines[7].startswith("refused set_reshard_after_forward(1)"), lines
 
 
+POST_OPTIM_EVENT = """
+import torch, torch.distributed as dist, torch.nn as nn
+from fsdp_impl import comm, fully_shard
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+fully_shard(model[0])
+fully_shard(model)
+gathers, waits = [], []
+real_all_gather = comm.all_gather
+def counted(*args):
+    gathers.append(1)
+    return real_all_gather(*args)
+comm.all_gather = counted
+
+class Event:  # what the optimizer's stream recorded: the gathers must wait for it
+    def wait(self):
+        waits.append(len(gathers))
+
+x = torch.ones(2, 4)
+model(x).sum().backward()
+before = len(gathers)
+model.set_post_optim_event(Event())
+for step in range(2):
+    model(x).sum().backward()
+print(before > 0, waits == [before], len(gathers) == 3 * before)
+"""
+
+
+def test_the_root_waits_for_the_post_optim_event_before_its_gathers_once():
+    """set_post_optim_event(event): the root's next forward waits for the event before its first
+    all-gather, then forgets it (FSDP2's root pre-forward waits once and drops the event)."""
+    assert _last_lines(POST_OPTIM_EVENT, 1) == ["True True True"]
+
+
+def test_a_cuda_device_without_torchrun_becomes_the_current_device(monkeypatch):
+    """python train.py --device=cuda:1: fsdp_impl computes on torch.cuda.current_device(), so the one
+    process must make cuda:1 current before any shard exists there. Played with stubs: no GPU here."""
+    import torch
+    import torch.distributed as dist
+    import backends
+    calls = []
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: calls.append(("set_device", d)))
+    monkeypatch.setattr(dist, "init_process_group", lambda backend, **kw: calls.append(("init", backend)))
+    assert backends.init_distributed("fsdp", "nccl", "cuda:1", 60) == (0, 1, "cuda:1")
+    assert calls == [("set_device", "cuda:1"), ("init", "nccl")]
+    calls.clear()
+    backends.init_distributed("custom_fsdp", "gloo", "cpu", 60)
+    assert calls == [("init", "gloo")]
+
+
 def readme_loop():
     """The python block of IMPLEMENTATION.md's section on fsdp_impl in a training loop of one's own."""
     text = (REPO / "IMPLEMENTATION.md").read_text()
