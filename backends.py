@@ -3,7 +3,7 @@ The one place where the distributed backends differ. train.py talks to a Backend
 
     rank, world_size, device = init_distributed(...)  # join torchrun's process group
     backend = make_backend(name, cfg)                 # 'ddp' | 'fsdp' | 'custom_fsdp'
-    model = backend.wrap(model, materialize)          # compile, shard, materialize weights on device
+    model = backend.wrap(model, materialize)          # float8, compile, shard, materialize weights on device
     with backend.autocast(): loss = model(x, y)       # mixed precision where the backend needs autocast
     backend.set_grad_sync(model, is_last_micro_step)  # no_sync-style accumulation
     backend.backward(loss)
@@ -15,6 +15,7 @@ The one place where the distributed backends differ. train.py talks to a Backend
 `fsdp` is PyTorch's FSDP2 (torch.distributed.fsdp.fully_shard); `custom_fsdp` is ours
 (fsdp_impl), with the same API, so the two share one class and differ only in the import.
 """
+import logging
 import os
 from contextlib import nullcontext
 from datetime import timedelta
@@ -105,6 +106,31 @@ def compile_per_block(model):
     model.logits_and_loss = torch.compile(model.logits_and_loss)
 
 
+def torchao_float8(*names):
+    """Names from torchao.float8, imported quietly: torchao logs each optional CUDA kernel library it
+    cannot load (none is needed here), and torch warns of one of its enum registrations."""
+    quiet = {name: logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")}
+    levels = {name: logger.level for name, logger in quiet.items()}
+    for logger in quiet.values():
+        logger.setLevel(logging.ERROR)
+    try:
+        import torchao.float8
+    finally:
+        for name, logger in quiet.items():
+            logger.setLevel(levels[name])
+    return [getattr(torchao.float8, name) for name in names]
+
+
+def float8_training(model, gather_in_float8):
+    """torchao's float8 training: every Linear but the output head (tied to the embedding, and the
+    most sensitive to rounding: torchtitan leaves it out too) computes its three matmuls in float8,
+    with dynamic per-tensor scales. gather_in_float8: the weights become subclasses whose FSDP
+    all-gather extension sends one byte an element and their scale; DDP keeps plain weights."""
+    Float8LinearConfig, convert_to_float8_training = torchao_float8("Float8LinearConfig", "convert_to_float8_training")
+    convert_to_float8_training(model, config=Float8LinearConfig(enable_fsdp_float8_all_gather=gather_in_float8),
+                               module_filter_fn=lambda module, fqn: fqn != "lm_head")
+
+
 def grad_norm(grads):
     """The 2-norm of all `grads` together. On the CPU, row by row and then over the rows: torch's norm
     of a whole CPU tensor runs on one thread and sums it in one long float32 run, which is slow and
@@ -137,6 +163,11 @@ class Backend:
         self.world_size = dist.get_world_size() if dist.is_initialized() else 1
         if cfg["cpu_offload"] and self.device.type != "cuda":
             raise BackendError("cpu_offload needs a CUDA device: on CPU the parameters already live in CPU memory")
+        if cfg["float8"]:
+            try:
+                torchao_float8()
+            except ImportError:
+                raise BackendError("float8=True needs torchao: pip install -r requirements.txt") from None
         if cfg["compile"] and self.device.type == "cpu" and not _cpp_compiler_found():
             raise BackendError("compile=True on CPU needs a C++ compiler (torch.compile builds its CPU kernels with "
                                "g++, or the one $CXX names): install one, or set --compile=False")
@@ -205,6 +236,8 @@ class DDPBackend(Backend):
         return torch.autocast(self.device.type, dtype=self.dtype)
 
     def wrap(self, model, materialize):
+        if self.cfg["float8"]:
+            float8_training(model, gather_in_float8=False)
         # to_empty() turns each registration of a tied meta parameter into its own tensor: re-tie
         registrations = {}
         for m in model.modules():
@@ -320,6 +353,9 @@ class FSDPBackend(Backend):
         return groups + ([current] if current else [])
 
     def wrap(self, model, materialize):
+        if self.cfg["float8"]:  # (before fully_shard: the float8 weights are what it shards)
+            float8_training(model, gather_in_float8=True)
+        self.model = model
         blocks = list(model.transformer.h)
         groups = self.unit_groups(blocks)
         if self.cfg["compile"]:
@@ -354,6 +390,14 @@ class FSDPBackend(Backend):
             for module, nxt in zip(order, order[1:] + [None]):
                 getattr(module, setter)([nxt] if on and nxt is not None else [])
         return model
+
+    def step(self, optimizer):
+        optimizer.step()
+        if self.cfg["float8"]:
+            # the next gathers' float8 scales from the updated weights, in one all-reduce for them all
+            # (without it, each weight's pre-all-gather hook reduces its own amax)
+            precompute, = torchao_float8("precompute_float8_dynamic_scale_for_fsdp")
+            precompute(self.model)
 
     def set_grad_sync(self, model, enabled):
         model.set_requires_gradient_sync(enabled)

@@ -26,6 +26,8 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.tensor import DTensor
+from torch.utils._pytree import tree_map_only
 from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
                                                      set_model_state_dict, set_optimizer_state_dict)
 
@@ -79,6 +81,20 @@ def _write_atomic(path, text):
     os.replace(path + ".tmp", path)
 
 
+def _plain(t):
+    """`t` as a plain tensor (a DTensor around a plain local one). A wrapper subclass that holds one
+    inner tensor of its own shape and dtype (float8 training's weights, and their optimizer state)
+    gives that tensor: DCP would pickle the subclass, which a reader without its library cannot load."""
+    local = t._local_tensor if isinstance(t, DTensor) else t
+    if type(local) in (torch.Tensor, torch.nn.Parameter) or not hasattr(local, "__tensor_flatten__"):
+        return t
+    names, _ = local.__tensor_flatten__()
+    inner = getattr(local, names[0])
+    if len(names) != 1 or inner.shape != local.shape or inner.dtype != local.dtype:
+        raise CheckpointError(f"cannot save a {type(local).__name__} as a plain tensor: it holds {names}")
+    return DTensor(inner, t._spec, requires_grad=False) if isinstance(t, DTensor) else inner
+
+
 def save(out_dir, model, optimizer, meta, keep=2):
     """Write a checkpoint of model + optimizer + `meta` (a JSON-able dict with 'iter_num')."""
     final = os.path.join(out_dir, f"ckpt-{meta['iter_num']:07d}")
@@ -88,7 +104,7 @@ def save(out_dir, model, optimizer, meta, keep=2):
         shutil.rmtree(tmp, ignore_errors=True)
     _barrier()
     state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
-    _dcp(dcp.save, state, tmp)  # returns once every rank's shards and the metadata are written
+    _dcp(dcp.save, tree_map_only(torch.Tensor, _plain, state), tmp)  # returns once every rank's shards and the metadata are written
     if os.environ.get("CHECKPOINT_TEST_CRASH") == str(_rank()):  # tests: die before the commit
         os.kill(os.getpid(), signal.SIGKILL)
     if _rank() == 0:

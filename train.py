@@ -238,9 +238,10 @@ def estimate_loss(batches):
 
 
 @torch.no_grad()
-def weights_finite(model):
-    """Whether every weight is finite, on every rank (each looks at the shards it holds)."""
-    local = [observe.local_tensor(p) for p in model.parameters()]
+def weights_finite(optimizer):
+    """Whether every weight is finite, on every rank (each looks at the shards it holds). The
+    optimizer's parameters: the shards, also while a unit is gathered (float8's gathered form has no isfinite)."""
+    local = [observe.local_tensor(p) for group in optimizer.param_groups for p in group["params"]]
     # (.to: under cpu_offload the shards are in CPU memory, a gathered root's parameters on the GPU)
     finite = torch.stack([torch.isfinite(t).all().to(device) for t in local]).all().to(torch.float32)
     if world_size > 1:
@@ -396,7 +397,7 @@ while True:
             # inf (a huge learning rate): such a checkpoint would replace the good ones. Without an
             # evaluation, one batch per split says whether the weights compute finite losses
             checked = losses or estimate_loss(1)
-            if not all(map(math.isfinite, checked.values())) or not weights_finite(model):
+            if not all(map(math.isfinite, checked.values())) or not weights_finite(optimizer):
                 fail(f"the model is not finite at iteration {iter_num} (losses {checked}): nothing "
                      f"saved; {checkpoints_kept()}")
             checkpoint.save(out_dir, model, optimizer, keep=keep_checkpoints, meta=dict(

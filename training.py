@@ -82,6 +82,7 @@ def defaults():
     device = "cuda" if torch.cuda.is_available() else "cpu"  # 'cpu', 'cuda', 'cuda:0', ...
     dtype = "bfloat16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "float32"
     compile = False
+    float8 = False  # torchao's float8 matmuls in every Linear but the output head; fsdp backends gather them in float8
     deterministic = False  # deterministic kernels (math attention, cuBLAS's): backends agree bit for bit on a GPU
     # observability (see observe.py)
     profile = False  # Chrome traces of a few steps under out_dir/traces/<dist_backend>/
@@ -132,6 +133,8 @@ def problem(s):
     for name in ("dropout", "beta1", "beta2"):
         if not 0 <= s[name] < 1:
             return f"{name}={s[name]} is outside [0, 1)"
+    if s["float8"] and s["n_embd"] % 16:  # (float8 matmuls take dimensions in multiples of 16)
+        return f"float8=True needs n_embd divisible by 16, got {s['n_embd']}"
     if s["n_embd"] % s["n_head"]:
         return f"n_embd={s['n_embd']} is not divisible by n_head={s['n_head']}"
     if not 0 <= s["seed"] < 2**44:  # (the initialization draws from seeds of 64 bits made from it: model.py)

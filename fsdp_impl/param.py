@@ -72,8 +72,10 @@ class ParamShard:
         return dtensor_around(local, self.mesh, self.placements, self.global_shape, contiguous_stride(self.global_shape))
 
     def chunk_of(self, tensor):
-        """This rank's chunk of the full `tensor` (empty where the ranks before took it all)."""
-        return tensor[(slice(None),) * self.dim + (slice(self.first, self.first + self.local_shape[self.dim]),)]
+        """This rank's chunk of the full `tensor` (empty where the ranks before took it all). narrow,
+        not indexing: a whole-tensor index is an alias, which drops a tensor subclass (float8's weights)."""
+        start = min(self.first, tensor.shape[self.dim])
+        return tensor.narrow(self.dim, start, self.local_shape[self.dim])
 
 
 class UnshardedParam:
