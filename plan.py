@@ -25,7 +25,8 @@ whose buffers count too, at their worst (GlooBuffers): real runs peak at or belo
 allocator replayed over them and cuBLAS's workspaces; whether it fits adds the CUDA context and
 NCCL's buffers, named figures (CUBLAS_WORKSPACE_BYTES and the rest) that scripts/plan_check.py
 measures on a GPU. Not modelled yet: CUDA's kernels and their scratch, autocast on CUDA, several
-streams. cpu_offload is planned as the run without it, less the state that offload keeps in host
+streams. --float8=True is planned as a GPU runs it: a CPU emulates each float8 matmul with float32
+copies of its operands inside the one op, which the plan leaves out. cpu_offload is planned as the run without it, less the state that offload keeps in host
 memory (device_side).
 
 Communication is counted in the same run, per collective kind; its time is a projection over a
@@ -42,6 +43,8 @@ from typing import Callable, NamedTuple
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+from torch._subclasses.fake_tensor import DataDependentOutputException
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 
@@ -194,6 +197,8 @@ class Allocations(TorchDispatchMode):
         return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if DTensor in types:  # DTensor's dispatch then runs its local ops and collectives under this mode
+            return NotImplemented
         out = func(*args, **(kwargs or {}))
         if func.namespace in ("c10d", "_c10d_functional"):
             self._collective(func, args, out)
@@ -333,13 +338,14 @@ class Allocations(TorchDispatchMode):
         receives (nccl-tests' size). And the storages it touched, which count as communication buffers."""
         tensors = [t for t in tree_flatten((args, out))[0] if isinstance(t, torch.Tensor)]
         name = func.__name__.split(".")[0].strip("_")
-        if not tensors or name == "wait_tensor":
+        group = next((a for a in args if isinstance(a, torch.ScriptObject)
+                      and a._type().qualified_name().endswith("ProcessGroup")), None)
+        named = args and isinstance(args[-1], str)  # a functional collective names its group last
+        if not tensors or (group is None and not named):  # (wait_tensor, _wrap_tensor_autograd: no collective)
             return
         kind = ("all_gather" if "allgather" in name or "all_gather" in name else "reduce_scatter"
                 if "reduce_scatter" in name else "all_reduce" if "allreduce" in name else name)
-        group = next((a for a in args if isinstance(a, torch.ScriptObject)
-                      and a._type().qualified_name().endswith("ProcessGroup")), None)
-        group = (dist.distributed_c10d._resolve_process_group(args[-1]) if group is None  # (a functional one names it)
+        group = (dist.distributed_c10d._resolve_process_group(args[-1]) if group is None
                  else dist.ProcessGroup.unbox(group))
         if group.size() > 1:
             self.groups.add(group.group_name)
@@ -425,7 +431,10 @@ def plain_tensors(t):
     tensor), whose storage the wrapper's own only mirrors in size."""
     if not is_traceable_wrapper_subclass(t):
         return [t]
-    inner = (getattr(t, attr) for attr in t.__tensor_flatten__()[0])
+    try:
+        inner = [getattr(t, attr) for attr in t.__tensor_flatten__()[0]]
+    except DataDependentOutputException:  # (torchao's float8 weight asks a tensor's truth: fake ones cannot say)
+        inner = list(vars(t).values())  # its tensors are its attributes
     return [x for t in inner if isinstance(t, torch.Tensor) for x in plain_tensors(t)]
 
 
