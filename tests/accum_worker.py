@@ -32,7 +32,7 @@ MICRO_STEPS = 3
 N_LAYER = 2
 CFG = dict(device="cpu", dtype="float32", compile=False, cpu_offload=False, replicate_degree=1,
            wrap_policy="block", min_wrap_params=1_000_000, reshard_after_forward=True, prefetch=True,
-           reshard_after_backward=True)
+           reshard_after_backward=True, float8=False)
 KEEP = dict(reshard_after_forward=False, reshard_after_backward=False)
 
 

@@ -361,7 +361,7 @@ def test_compile_matches_eager(runs_a, tiny_args, tmp_path, backend, wrap_policy
 SETTINGS_PRELUDE = """
 SETTINGS = dict(device="cpu", dtype="float32", compile=False, cpu_offload=False, replicate_degree=1,
                 wrap_policy="block", min_wrap_params=1, reshard_after_forward=True, prefetch=True,
-                reshard_after_backward=True)
+                reshard_after_backward=True, float8=False)
 """
 
 WRAP_AND_REPORT_GRAPHS = SETTINGS_PRELUDE + """
