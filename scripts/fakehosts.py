@@ -212,11 +212,11 @@ def state_bytes_per_rank(settings, nproc, params):
 def planned(train_args, nproc):
     """plan.py's row for train.py's run at nproc ranks: rank 0's, whose shards are the largest
     (under cpu_offload, the GPU's side)."""
-    import plan
+    import planner
     import training
     settings = training.settings(train_args)
     settings["vocab_size"] = training.vocab_size(settings)
-    return plan.in_child(plan.plan, settings, settings["dist_backend"], nproc, 0)
+    return planner.in_child(planner.plan, settings, settings["dist_backend"], nproc, 0)
 
 
 def process_bytes(row):

@@ -32,7 +32,7 @@ import torch
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, HERE)
 import overlap  # noqa: E402
-import plan  # noqa: E402
+import planner  # noqa: E402
 import training  # noqa: E402
 
 GIB = 2**30
@@ -105,7 +105,7 @@ class Figures:
         if argv[0] == "plan.py" and not torchrun:
             with open(os.devnull, "w") as null, contextlib.redirect_stdout(null), contextlib.redirect_stderr(null):
                 try:
-                    plan.main(argv[1:])
+                    planner.main(argv[1:])
                 except SystemExit as e:
                     raise SystemExit(f"error: {shown} failed: {e}")
             return
@@ -189,7 +189,7 @@ def memory(fig):
     for model, (settings, worlds, drawn) in models.items():
         shape = training.settings(settings)
         shape["vocab_size"] = training.vocab_size(shape)
-        parameters = sum(p.numel() for p in plan.meta_model(shape).parameters())
+        parameters = sum(p.numel() for p in planner.meta_model(shape).parameters())
         for w in worlds:
             name = f"memory-{model}-w{w}"
             timelines = []
@@ -202,7 +202,7 @@ def memory(fig):
                 if w in drawn:
                     timelines += json.load(open(timeline_json))
             if timelines:
-                plan.draw_timelines(timelines, dict(shape, dtype="bfloat16"), fig.figure(name))
+                planner.draw_timelines(timelines, dict(shape, dtype="bfloat16"), fig.figure(name))
     fig.save("memory-by-w", rows, fig.commands["memory-by-w"])
 
 
@@ -331,7 +331,7 @@ def weak_scaling(fig):
         (row,) = json.load(open(path))
         shape = training.settings([f"--n_layer={per_w * w}", *width, *micro])
         shape["vocab_size"] = training.vocab_size(shape)
-        row |= {"n_layer": per_w * w, "parameters": sum(p.numel() for p in plan.meta_model(shape).parameters())}
+        row |= {"n_layer": per_w * w, "parameters": sum(p.numel() for p in planner.meta_model(shape).parameters())}
         if w <= (2 if fig.small else 4):
             bench_path = os.path.join(fig.work, f"weak-bench-{w}.json")
             fig.run(["weak-scaling"], ["bench.py", "--backends=custom_fsdp", f"--nproc={w}", "--repeats=1", "--steps=6",

@@ -24,7 +24,7 @@ sys.path.insert(0, str(REPO / "scripts"))
 import bench  # noqa: E402
 import configurator  # noqa: E402
 import fakehosts  # noqa: E402
-import plan  # noqa: E402
+import planner  # noqa: E402
 import training  # noqa: E402
 from backends import BACKENDS  # noqa: E402
 
@@ -112,7 +112,7 @@ def planned(backend, world, args):
     settings = training.settings(args + STEPS + [f"--gradient_accumulation_steps={world}"])
     settings["vocab_size"] = training.vocab_size(settings)
     settings["compile"] = False
-    rows = [plan.in_child(plan.plan, settings, backend, world, rank) for rank in range(world)]
+    rows = [planner.in_child(planner.plan, settings, backend, world, rank) for rank in range(world)]
     return max(rows, key=lambda r: r["cuda_allocated_bytes"]), max(rows, key=lambda r: r["reserved_bytes"])
 
 
@@ -161,7 +161,7 @@ def main(argv):
         nccl = fakehosts.launch(2, __file__, ["--probe_nccl"], timeout=120, cwd=REPO)
         lines = [line for line in nccl.outputs[0].splitlines() if line.startswith("{")] if nccl.returncode == 0 else []
     result["constants"] |= json.loads(lines[-1]) if lines else {"nccl_bytes_per_rank": None}
-    result["plan_assumes"] = {k: getattr(plan, k) for k in ("CUBLAS_WORKSPACES", "CUBLAS_WORKSPACE_BYTES",
+    result["plan_assumes"] = {k: getattr(planner, k) for k in ("CUBLAS_WORKSPACES", "CUBLAS_WORKSPACE_BYTES",
                                                             "CUDA_CONTEXT_BYTES", "NCCL_COMMUNICATOR_BYTES")}
     print(f"measured: {result['constants']}; plan.py assumes {result['plan_assumes']}", flush=True)
     Path(a.json).parent.mkdir(parents=True, exist_ok=True)

@@ -4,7 +4,7 @@ plan.py's training steps for real, measured by the allocator's own events, for t
     python tests/plan_worker.py CASES.json OUT.json
 
 CASES.json lists [backend, world size, rank, [--key=value ...]]. For each case this process runs
-plan.run() twice: once with fake tensors (the plan), once with real ones under torch.profiler with
+planner.run() twice: once with fake tensors (the plan), once with real ones under torch.profiler with
 profile_memory=True. Both run as one rank of W in this process, in a process group whose
 collectives complete at once on this thread: PyTorch's fake one, or for DDP's real run (its reducer
 wants a result) a silent one of our own. So every free happens where the program drops its tensor;
@@ -30,7 +30,7 @@ from torch.utils._pytree import tree_flatten
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import observe  # noqa: E402
-import plan  # noqa: E402
+import planner  # noqa: E402
 import training  # noqa: E402
 
 
@@ -136,12 +136,12 @@ def memory_events(events):
 def case(backend, world, rank, argv):
     settings = training.settings(argv)
     settings["vocab_size"] = training.vocab_size(settings)
-    planned, planned_state, _ = plan.run(settings, backend, world, rank)
+    planned, planned_state, _ = planner.run(settings, backend, world, rank)
     gc.collect()  # (an earlier case's tensors freed inside this one's window would lower its count)
     prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
     observed = PythonAPICollectives()  # (after the plan, which it would count too)
-    counted, state, _ = plan.run(settings, backend, world, rank, fake=False, measured=lambda: prof,
-                                 group=partial(plan.fake_process_group, backend="silent") if backend == "ddp" else None)
+    counted, state, _ = planner.run(settings, backend, world, rank, fake=False, measured=lambda: prof,
+                                 group=partial(planner.fake_process_group, backend="silent") if backend == "ddp" else None)
     peak = measured_peak(prof)
     if backend != "ddp":
         TALLY.update({kind: n for kind, n in observed.last_step().items() if n})
@@ -185,7 +185,7 @@ def main():
     for backend, world, rank, argv in cases:
         key = " ".join([backend, f"W={world}", f"rank={rank}", *argv])
         try:
-            results[key] = plan.in_child(case, backend, world, rank, argv)
+            results[key] = planner.in_child(case, backend, world, rank, argv)
         except Exception:
             results[key] = {"error": traceback.format_exc()}
     out_path.write_text(json.dumps(results, indent=1))

@@ -24,7 +24,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts"))
 import fakehosts  # noqa: E402
 import training  # noqa: E402
-import plan  # noqa: E402
+import planner  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -215,7 +215,7 @@ def big(char_data, tmp_path_factory):
     runs = {"fsdp": rehearse(tmp / "fsdp", "fsdp", char_data)}
     rest = {"control": "fsdp", "custom_fsdp": "custom_fsdp"}
     first_ok = runs["fsdp"][1].returncode == 0
-    outside = plan.CUDA_CONTEXT_BYTES + plan.NCCL_COMMUNICATOR_BYTES  # (per process, beside the reserve)
+    outside = planner.CUDA_CONTEXT_BYTES + planner.NCCL_COMMUNICATOR_BYTES  # (per process, beside the reserve)
     need = 2 * BIG_WORLD * (peaks(tmp / "fsdp")[1] * 2**20 + outside) if first_ok else None
     at_once = need is not None and need <= 0.9 * torch.cuda.get_device_properties(0).total_memory
     with ThreadPoolExecutor(2 if at_once else 1) as pool:

@@ -21,7 +21,7 @@ import pytest
 from conftest import REPO, launch, launcher, one_error_line
 
 sys.path.insert(0, str(REPO))
-import plan  # noqa: E402
+import planner  # noqa: E402
 
 WORKER = REPO / "tests" / "plan_worker.py"
 MODEL = ["--n_layer=3", "--n_embd=64", "--n_head=4", "--batch_size=4", "--block_size=32"]
@@ -154,10 +154,10 @@ import inspect, json, os, runpy, sys
 repo, folder, held, *args = sys.argv[1:]
 sys.path.insert(0, repo)
 import torch
-import plan, training
+import planner, training
 settings = training.settings(args)
 settings["vocab_size"] = training.vocab_size(settings)
-planned = [plan.in_child(plan.plan, settings, "ddp", 1, 0)["peak_allocated_bytes"]]
+planned = [planner.in_child(planner.plan, settings, "ddp", 1, 0)["peak_allocated_bytes"]]
 step = training.train_step
 
 def changed_step(*step_args, **kwargs):
@@ -168,7 +168,7 @@ def changed_step(*step_args, **kwargs):
     kept = torch.empty(int(held), dtype=torch.uint8)  # (freed as the step returns)
     return step(*step_args, **kwargs)
 training.train_step = changed_step
-planned.append(plan.in_child(plan.plan, settings, "ddp", 1, 0)["peak_allocated_bytes"])
+planned.append(planner.in_child(planner.plan, settings, "ddp", 1, 0)["peak_allocated_bytes"])
 with open(os.path.join(folder, "planned.json"), "w") as f:
     json.dump(planned, f)
 sys.argv = [os.path.join(repo, "tests", "ledger.py"), os.path.join(folder, "train"), os.path.join(repo, "train.py"), *args]
@@ -177,7 +177,7 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 
 
 def test_train_py_and_the_plan_take_the_one_step(char_data, tmp_path):
-    """train.py and plan.py both run training.train_step, once per step. Changed there, the plan
+    """train.py and plan.py (planner/step.py) both run training.train_step, once per step. Changed there, the plan
     grows by exactly the bytes the change holds, and train.py's real peak (the allocator's ledger)
     follows: it is the changed plan less the batch, which train.py reads through numpy, within
     train.py's few metric scalars (under 64 bytes)."""
@@ -187,7 +187,7 @@ def test_train_py_and_the_plan_take_the_one_step(char_data, tmp_path):
     ledger = tmp_path / "train.rank0.log"
     assert res.returncode == 0, res.describe() + (ledger.read_text()[-3000:] if ledger.exists() else "")
     calls = (tmp_path / "steps.log").read_text().splitlines()
-    assert calls == ["plan.py 0", "plan.py 1", "train.py 0", "train.py 1"], calls
+    assert calls == ["step.py 0", "step.py 1", "train.py 0", "train.py 1"], calls  # (planner/step.py)
     plain, changed = json.loads((tmp_path / "planned.json").read_text())
     assert changed == plain + HELD, (plain, changed)
     peak = max(int(total) for total in re.findall(r"total alloc (\d+) bytes", ledger.read_text()))
@@ -220,11 +220,11 @@ def test_plan_prints_a_table_and_writes_json(tmp_path, data):
         assert r["comm_seconds_per_step"] == r["comm_bus_bytes_per_step"] / 360e9 and (r["nproc"] == 1) == (bus == 0)
         # what CUDA holds beside the tensors: cuBLAS's workspaces in the allocator; the context and
         # each NCCL communicator's buffers outside it (one process group at W=2, none at W=1)
-        workspaces = plan.CUBLAS_WORKSPACES * plan.CUBLAS_WORKSPACE_BYTES
+        workspaces = planner.CUBLAS_WORKSPACES * planner.CUBLAS_WORKSPACE_BYTES
         assert r["cuda_allocated_bytes"] >= r["peak_allocated_bytes"] + workspaces
         assert r["communicators"] == (r["nproc"] > 1)
-        nccl = r["communicators"] * plan.NCCL_COMMUNICATOR_BYTES
-        assert r["outside_allocator_bytes"] == plan.CUDA_CONTEXT_BYTES + nccl
+        nccl = r["communicators"] * planner.NCCL_COMMUNICATOR_BYTES
+        assert r["outside_allocator_bytes"] == planner.CUDA_CONTEXT_BYTES + nccl
     assert "custom_fsdp" in res.stdout and "planning custom_fsdp at W=2" in res.stderr
     assert "compile=True is planned as eager" in res.stdout
     assert (tmp_path / "plan.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -249,7 +249,7 @@ def test_the_timeline_stacks_to_the_peak_in_the_schedules_order(tmp_path, data):
     for t in timelines:
         totals = {row[0]: sum(row[1:]) for row in t["stacked"]}
         assert totals[t["peak_event"]] == t["peak_allocated_bytes"] == max(totals.values()), t["backend"]
-        assert list(totals) == sorted(totals) and t["roles"] == list(plan.ROLES)
+        assert list(totals) == sorted(totals) and t["roles"] == list(planner.ROLES)
         assert [where for _, where in t["marks"]] == [f"step {s} {p}" for s in (1, 2) for p in phases]
         assert [index for index, _ in t["marks"]] == sorted(index for index, _ in t["marks"])
         if t["backend"] == "ddp":
@@ -287,8 +287,8 @@ def test_the_largest_batch_that_fits_is_the_largest(tmp_path, data):
     """--gpu_mem_gib answers: the headroom beside the modelled reserve, the CUDA context and NCCL's
     buffers, and the largest batch_size whose reserve fits (planned again at it and one above, it
     is within and beyond the memory)."""
-    limit = (plan.CUDA_CONTEXT_BYTES + plan.NCCL_COMMUNICATOR_BYTES
-             + plan.CUBLAS_WORKSPACES * plan.CUBLAS_WORKSPACE_BYTES + 6 * 2**20)
+    limit = (planner.CUDA_CONTEXT_BYTES + planner.NCCL_COMMUNICATOR_BYTES
+             + planner.CUBLAS_WORKSPACES * planner.CUBLAS_WORKSPACE_BYTES + 6 * 2**20)
     common = [sys.executable, REPO / "plan.py", "--dist_backend=custom_fsdp", "--nproc=2", *MODEL, f"--data_dir={data}"]
     out = tmp_path / "plan.json"
     res = new_interpreter(common + [f"--gpu_mem_gib={limit / 2**30!r}", f"--json={out}"], timeout=120)
@@ -318,7 +318,7 @@ def test_plan_check_sets_train_py_beside_the_plan(char_data, tmp_path):
     assert res.returncode == 0, res.describe()
     result = json.loads(out.read_text())
     assert {"command", "device", "torch", "commit", "date", "constants", "plan_assumes"} <= set(result)
-    assert result["plan_assumes"]["CUDA_CONTEXT_BYTES"] == plan.CUDA_CONTEXT_BYTES
+    assert result["plan_assumes"]["CUDA_CONTEXT_BYTES"] == planner.CUDA_CONTEXT_BYTES
     (row,) = result["plan_check"]
     assert (row["backend"], row["nproc"]) == ("custom_fsdp", 2)
     assert row["planned_reserved_bytes"] >= row["planned_allocated_bytes"] > row["planned_cpu_peak_bytes"] > 0
@@ -344,7 +344,7 @@ def test_caching_allocator_model_follows_cudas_rules():
     """The reserve model's rules, each on a sequence whose answer CUDA's allocator documents: 512-byte
     rounding, 2 MiB segments for requests up to 1 MiB, 20 MiB ones below 10 MiB, a segment of its
     own above, blocks split and reused, freed neighbours merged. (Against a GPU: the GPU issue.)"""
-    from plan import CachingAllocatorModel
+    from planner import CachingAllocatorModel
     MiB = 2**20
 
     def replay(trace):
@@ -412,18 +412,18 @@ def test_the_plan_of_a_cpu_run_holds_its_highest_real_peak(char_data, tmp_path):
 LINE_AGAINST_PLANS = """
 import json, sys
 sys.path.insert(0, sys.argv[1])
-import plan, training
+import planner, training
 out, cases = sys.argv[2], json.loads(sys.argv[3])
 answers = []
 for backend, world, room_mib, args in cases:
     settings = training.settings(args)
     settings["vocab_size"], settings["dtype"] = training.vocab_size(settings), "bfloat16"
-    other = plan.second_batch(settings["batch_size"])
-    row, second = (plan.in_child(plan.plan, dict(settings, batch_size=b), backend, world, 0, keep_trace=True)
+    other = planner.second_batch(settings["batch_size"])
+    row, second = (planner.in_child(planner.plan, dict(settings, batch_size=b), backend, world, 0, keep_trace=True)
                    for b in (settings["batch_size"], other))
-    lined = plan.batch_line(row["trace"], settings["batch_size"], second["trace"], other) is not None
-    room = plan.CUBLAS_WORKSPACES * plan.CUBLAS_WORKSPACE_BYTES + room_mib * 2**20
-    answers.append([lined] + [plan.largest_batch(settings, backend, world, 0, row, second, room, line=line)
+    lined = planner.batch_line(row["trace"], settings["batch_size"], second["trace"], other) is not None
+    room = planner.CUBLAS_WORKSPACES * planner.CUBLAS_WORKSPACE_BYTES + room_mib * 2**20
+    answers.append([lined] + [planner.largest_batch(settings, backend, world, 0, row, second, room, line=line)
                               for line in (True, False)])
 with open(out, "w") as f:
     json.dump(answers, f)
@@ -447,4 +447,4 @@ def test_the_largest_batch_from_lines_is_the_one_planned_batch_by_batch(tmp_path
 def test_no_batch_fits_where_the_context_and_nccl_alone_take_more():
     """A GPU whose memory the CUDA context and NCCL's buffers exceed: no batch fits, answered at once."""
     settings = {"batch_size": 4}
-    assert plan.largest_batch(settings, "ddp", 2, 0, row={}, second={}, limit=-1) == 0
+    assert planner.largest_batch(settings, "ddp", 2, 0, row={}, second={}, limit=-1) == 0

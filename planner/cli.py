@@ -1,0 +1,218 @@
+"""
+plan.py's command line: its own flags beside train.py's settings, the rows planned two at a time,
+the table, the JSON and the pictures.
+"""
+import sys
+from typing import Callable, NamedTuple
+
+import configurator
+import training
+from backends import BACKENDS, BackendError
+
+from .cuda import CUBLAS_WORKSPACES, CUBLAS_WORKSPACE_BYTES, CUDA_CONTEXT_BYTES, NCCL_COMMUNICATOR_BYTES, gpu_bytes
+from .draw import draw, draw_timelines
+from .step import Child, busbw, in_child, largest_batch, plan, second_batch
+
+
+PLAN_FLAGS = {"nproc": "1,2,4,8", "rank": 0, "json": "", "png": "", "gpu": "", "gpu_mem_gib": "", "busbw_gbps": "",
+              "timeline": "", "timeline_json": ""}  # plan.py's own settings, beside train.py's
+PLAN_FLAG_HELP = {
+    "nproc": "world sizes to plan, comma-separated",
+    "rank": "the rank planned (rank 0's shards are the largest; past a world size, rank 0 there)",
+    "json": "write the rows to this JSON file",
+    "png": "draw the peak per rank against the world size to this PNG",
+    "gpu": "a100, h100 or h200: whether each row fits, its headroom and the largest batch that does",
+    "gpu_mem_gib": "the GPU's memory in GiB, in place of --gpu",
+    "busbw_gbps": "the bus bandwidth the communication time is projected at (default: NCCL's on H100s by W)",
+    "timeline": "draw each row's memory through the step to this PNG",
+    "timeline_json": "write each row's memory through the step to this JSON file",
+}
+
+
+ROWS_AT_ONCE = 2  # rows planned side by side: each plan runs on one core
+
+
+def print_help():
+    """plan.py's own flags, then train.py's settings as a plan takes them (bfloat16 unless given)."""
+    print("usage: plan.py [config files] [--key=value ...]; plan.py's own flags and their defaults:")
+    for key, value in PLAN_FLAGS.items():
+        print(f"  {f'--{key}={value!r}':<20} {PLAN_FLAG_HELP[key]}")
+    print("train.py's settings, as plan.py plans them (--dist_backend given: that backend only, else all three):")
+    for key, value in dict(training.defaults(), dtype="bfloat16").items():
+        print(f"  --{key}={value!r}" if isinstance(value, str) else f"  --{key}={value}")
+
+
+def split_argv(argv):
+    """(plan.py's own settings, the arguments for train.py's configurator)."""
+    if "-h" in argv or "--help" in argv:
+        print_help()
+        raise SystemExit(0)
+    own, rest = dict(PLAN_FLAGS), []
+    for arg in argv:
+        key = arg[2:].partition("=")[0] if arg.startswith("--") else None
+        if key in PLAN_FLAGS:
+            if "=" not in arg:  # (--json plan.json would read plan.json as a config file)
+                configurator.fail(f"{arg} takes its value after '=': {arg}=VALUE")
+            own[key] = arg.partition("=")[2]
+        else:
+            rest.append(arg)
+    try:
+        own["nproc"] = [int(w) for w in own["nproc"].split(",")]
+        own["rank"] = int(own["rank"])
+    except ValueError:
+        configurator.fail(f"--nproc takes world sizes such as 1,8,64 and --rank an int; got {own['nproc']!r}, "
+                          f"{own['rank']!r}")
+    for flag, example in (("gpu_mem_gib", "the GPU's memory in GiB, such as 80"),
+                          ("busbw_gbps", "a bus bandwidth in GB/s, such as 360")):
+        if own[flag]:
+            try:
+                if float(own[flag]) <= 0:
+                    raise ValueError
+            except ValueError:
+                configurator.fail(f"--{flag}={own[flag]}: give {example}")
+    if own["rank"] < 0:
+        configurator.fail(f"--rank={own['rank']} must be 0 or more (a rank past a world size plans rank 0 there)")
+    if not all(1 <= w <= 1 << 20 for w in own["nproc"]):
+        configurator.fail(f"--nproc={','.join(map(str, own['nproc']))}: each world size must be at least 1")
+    return own, rest
+
+
+def plan_row(settings, backend_name, world, rank, own, limit, drawn, gloo):
+    """plan.py's row for one backend and W, whole: the plan (planned in a child) and what it answers,
+    the communication time at the bus bandwidth and, given the GPU's memory, the headroom, whether
+    it fits and the largest batch that does. -> (row, its timeline or None)."""
+    asked = limit is not None  # (the GPU's memory given: the largest batch too, from a second plan beside)
+    second = Child(plan, dict(settings, batch_size=second_batch(settings["batch_size"])), backend_name, world, rank,
+                   gloo=gloo, keep_trace=True) if asked else None
+    row = in_child(plan, settings, backend_name, world, rank, drawn, gloo, keep_trace=asked)
+    timeline = None
+    if drawn:
+        timeline = {k: row[k] for k in ("backend", "nproc", "rank", "peak_allocated_bytes", "peak_at")} | row.pop("timeline")
+    row["busbw_gbps"] = busbw(world, own["busbw_gbps"])
+    row["comm_seconds_per_step"] = row["comm_bus_bytes_per_step"] / (row["busbw_gbps"] * 1e9)
+    row["fits"] = row["headroom_bytes"] = row["max_batch_size"] = None  # (no GPU memory given)
+    if limit is not None:  # (the context and NCCL's buffers come out of the same memory)
+        room = limit - row["outside_allocator_bytes"]
+        row["headroom_bytes"] = room - row["reserved_bytes"]
+        row["fits"] = row["headroom_bytes"] >= 0
+        row["max_batch_size"] = largest_batch(settings, backend_name, world, rank, row, second.result(), room, gloo)
+    row.pop("trace", None)
+    return row, timeline
+
+
+def main(argv):
+    own, rest = split_argv(argv)
+    limit = gpu_bytes(own)
+    given_backend = any(a.startswith("--dist_backend=") for a in rest)
+    def given(key):  # on the command line or in a config file
+        return any(a.startswith(f"--{key}=") if a.startswith("--") else key in configurator.run_file(a) for a in rest)
+    settings = training.settings(rest)
+    if not given("dtype"):
+        settings["dtype"] = "bfloat16"  # (what train.py takes on the GPUs plans are for)
+    gloo = given("device") and settings["device"] == "cpu"  # (a CPU run: its collectives go through gloo)
+    settings["vocab_size"] = training.vocab_size(settings)
+    compiled, settings["compile"] = settings["compile"], False  # (torch.compile's kernels: not planned)
+    backends = [settings["dist_backend"]] if given_backend else list(BACKENDS)
+    if settings["cpu_offload"] and not given_backend:  # (DDP does not offload: plan(ddp) refuses it)
+        backends = [b for b in backends if b != "ddp"]
+    rows, timelines = [], []
+    drawn = bool(own["timeline"] or own["timeline_json"])
+    jobs = [(backend_name, world, own["rank"] if own["rank"] < world else 0)
+            for backend_name in backends for world in own["nproc"]]
+    running = []  # rows planned two at a time, each in a process of its own (two cores), kept in order
+    for index, (backend_name, world, rank) in enumerate(jobs):
+        print(f"planning {backend_name} at W={world}, rank {rank}", file=sys.stderr, flush=True)
+        running.append(Child(plan_row, settings, backend_name, world, rank, own, limit, drawn, gloo))
+        while running and (len(running) == ROWS_AT_ONCE or index == len(jobs) - 1):
+            try:
+                row, timeline = running.pop(0).result()
+            except BackendError as e:
+                configurator.fail(str(e))
+            rows.append(row)
+            if drawn:
+                timelines.append(timeline)
+    print(table(rows, settings, limit, gloo))
+    if compiled:
+        print("compile=True is planned as eager: the compiled kernels' own buffers are not counted.")
+    if own["json"]:
+        import json
+        with open(own["json"], "w") as f:
+            json.dump(rows, f, indent=1)
+    if own["png"]:
+        draw(rows, settings, own["png"])
+    if own["timeline_json"]:
+        import json
+        with open(own["timeline_json"], "w") as f:
+            json.dump(timelines, f)
+    if own["timeline"]:
+        draw_timelines(timelines, settings, own["timeline"])
+
+
+def gib(n):
+    """Bytes in GiB, as the table shows them."""
+    return f"{n / 2**30:,.2f}"
+
+
+class Column(NamedTuple):
+    """A column of plan.py's table: its name, the format spec of the name and of each cell, and a
+    row's cell; `answers` columns show only when a GPU's memory is given."""
+    name: str
+    spec: str
+    cell: Callable
+    answers: bool = False
+
+
+TABLE_COLUMNS = (
+    Column("backend", "<12", lambda r: r["backend"]),
+    Column("W", ">5", lambda r: r["nproc"]),
+    Column("rank", ">4", lambda r: r["rank"]),
+    Column("peak GiB", ">9", lambda r: gib(r["peak_allocated_bytes"])),
+    Column("reserve", ">9", lambda r: gib(r["reserved_bytes"])),
+    Column("state GiB", ">9", lambda r: gib(r["state_bytes"])),
+    Column("comm GiB", ">9", lambda r: gib(sum(r["comm_bytes_per_step"].values()))),
+    Column("comm ms", ">8", lambda r: f"{r['comm_seconds_per_step'] * 1e3:,.1f}"),
+    Column("headroom", ">8", lambda r: gib(r["headroom_bytes"]), answers=True),
+    Column("max batch", ">9", lambda r: r["max_batch_size"], answers=True),
+    Column("peak at", "", lambda r: r["peak_at"]),  # (free text, last)
+)
+
+
+def table_line(columns, cells):
+    """The cells under their columns, one space apart; the last, free text, two spaces after."""
+    *aligned, last = (f"{cell:{column.spec}}" for column, cell in zip(columns, cells))
+    return " ".join(aligned) + "  " + last
+
+
+def table(rows, settings, limit, gloo=False):
+    answers = limit is not None
+    columns = [c for c in TABLE_COLUMNS if answers or not c.answers]
+    lines = [table_line(columns, [c.name for c in columns])]
+    lines += [table_line(columns, [c.cell(r) for c in columns]) for r in rows]
+    lines.append(f"\nbatch_size={settings['batch_size']}, block_size={settings['block_size']}, dtype={settings['dtype']}; "
+                 "a rank's micro-steps: gradient_accumulation_steps / W")
+    lines.append("(one where W does not divide it: memory depends on the micro-batch; the job needs a multiple of W).")
+    if answers:
+        smallest = {}
+        for r in rows:
+            if r["fits"]:
+                smallest.setdefault(r["backend"], r["nproc"])
+        lines.append(f"in {limit / 2**30:,.1f} GiB: " + "; ".join(
+            f"{b} fits from W={w}" for b, w in smallest.items()) if smallest else "none of these fits")
+    lines.append("peak: allocated, as the CPU allocator counts it (kernels' own scratch aside).")
+    if gloo:
+        lines.append("device=cpu: gloo's buffers count at their worst: a gather's from the call to its wait,")
+        lines.append("a reduce-scatter's copy of its input until the handle is dropped.")
+    lines.append(f"reserve: CUDA's caching allocator replayed over it, one stream, with {CUBLAS_WORKSPACES} cuBLAS "
+                 f"workspaces of {CUBLAS_WORKSPACE_BYTES // 2**20} MiB.")
+    if answers:
+        lines.append(f"headroom GiB: the GPU's memory less the reserve, {CUDA_CONTEXT_BYTES // 2**20} MiB of CUDA "
+                     f"context and {NCCL_COMMUNICATOR_BYTES // 2**20} MiB per NCCL communicator.")
+        lines.append("Below 0 it does not fit.")
+    if settings["cpu_offload"]:
+        lines.append("cpu_offload: peak and reserve are the GPU's; the state column lives in (pinned) host memory.")
+        lines.append("Not modelled there: a unit's shard copied to the GPU for its gather, and its reduced grads")
+        lines.append("until they are copied out (together at most two of the largest unit's shards).")
+    lines.append("comm ms: a projection, the step's bus bytes over a bus bandwidth of " + ", ".join(
+        f"{b:g}" for b in sorted({r["busbw_gbps"] for r in rows})) + " GB/s (H100s: NVLink to W=8,")
+    lines.append("InfiniBand above; --busbw_gbps sets it); latency aside, before any overlap with compute.")
+    return "\n".join(lines)

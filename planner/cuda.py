@@ -1,0 +1,104 @@
+"""
+The GPU's side of a plan: CUDA's caching allocator replayed over the plan's allocations, and what
+a CUDA process holds outside it (the context, NCCL's buffers), against the GPU's memory.
+"""
+from dataclasses import dataclass
+
+import configurator
+
+
+# What a CUDA process holds beside the step's tensors: not counted, but named (sources in
+# IMPLEMENTATION.md; scripts/plan_check.py measures each on a GPU). cuBLAS's workspace comes from the
+# caching allocator, one per thread that multiplies: the forward's and autograd's (Hopper's size)
+CUBLAS_WORKSPACES = 2
+CUBLAS_WORKSPACE_BYTES = 32 * 2**20
+# outside the allocator: the CUDA context (lazy module loading), NCCL's buffers per communicator
+CUDA_CONTEXT_BYTES = 500 * 2**20
+NCCL_COMMUNICATOR_BYTES = 700 * 2**20
+
+
+@dataclass(slots=True, eq=False)
+class Block:
+    """A block of the caching allocator's model: bytes `size` at `offset` in segment `segment`, of
+    the small pool or the large one. (Compared by identity: blocks of a pool never overlap.)"""
+    segment: int
+    offset: int
+    size: int
+    small: bool
+
+
+class CachingAllocatorModel:
+    """CUDA's caching allocator (c10/cuda/CUDACachingAllocator.cpp, its defaults) replayed over a
+    plan's allocations, on one stream: sizes rounded up to 512 bytes; requests up to 1 MiB served
+    from 2 MiB segments, larger ones from 20 MiB segments below 10 MiB, else from a segment of their
+    size rounded up to 2 MiB; the smallest cached free block that fits is taken and split when
+    what is left is worth keeping (512 bytes in the small pool, over 1 MiB in the large); freed
+    blocks merge with free neighbours of their segment; segments are never returned. A storage
+    resized in place is a new block, then the old one freed (a copy)."""
+    SMALL, MIN_BLOCK, SMALL_SEGMENT, LARGE_SEGMENT, MIN_LARGE, ROUND_LARGE = (
+        2**20, 512, 2 * 2**20, 20 * 2**20, 10 * 2**20, 2 * 2**20)
+
+    def __init__(self):
+        self.free = {True: [], False: []}  # small pool?: its free blocks
+        self.blocks = {}  # storage number -> its block
+        self.allocated = self.reserved = self.peak_allocated = 0
+        self.segments = 0
+
+    def replay(self, trace):
+        for number, nbytes in trace:
+            old = self.blocks.pop(number, None)
+            if nbytes:
+                self.blocks[number] = self._malloc(nbytes)
+            if old is not None:
+                self._release(old)
+        return self
+
+    def _malloc(self, nbytes):
+        size = max(self.MIN_BLOCK, -(-nbytes // self.MIN_BLOCK) * self.MIN_BLOCK)
+        small = size <= self.SMALL
+        fits = [b for b in self.free[small] if b.size >= size]
+        if fits:
+            block = min(fits, key=lambda b: (b.size, b.segment, b.offset))
+            self.free[small].remove(block)
+        else:
+            segment = self.SMALL_SEGMENT if small else (
+                self.LARGE_SEGMENT if size < self.MIN_LARGE else -(-size // self.ROUND_LARGE) * self.ROUND_LARGE)
+            self.reserved += segment
+            self.segments += 1
+            block = Block(self.segments, 0, segment, small)
+        rest = block.size - size
+        if rest >= self.MIN_BLOCK if small else rest > self.SMALL:
+            self.free[small].append(Block(block.segment, block.offset + size, rest, small))
+            block = Block(block.segment, block.offset, size, small)
+        self.allocated += block.size
+        self.peak_allocated = max(self.peak_allocated, self.allocated)
+        return block
+
+    def _release(self, block):
+        segment, offset, size, small = block.segment, block.offset, block.size, block.small
+        self.allocated -= size
+        pool = self.free[small]
+        for other in [b for b in pool if b.segment == segment
+                      and (b.offset + b.size == offset or offset + size == b.offset)]:
+            pool.remove(other)
+            offset, size = min(offset, other.offset), size + other.size
+        pool.append(Block(segment, offset, size, small))
+
+
+def cuda_model(trace):
+    """CUDA's caching allocator replayed over a plan's trace. cuBLAS's workspaces are made at the
+    first forward and backward, and kept: the peak, in the second step, holds them, and a block
+    never freed is reused by nobody, so they go first."""
+    return CachingAllocatorModel().replay([(-1 - i, CUBLAS_WORKSPACE_BYTES) for i in range(CUBLAS_WORKSPACES)] + trace)
+
+
+GPUS = {"a100": 81_920, "h100": 81_559, "h200": 143_771}  # MiB, as nvidia-smi reports the 80 GB and 141 GB parts
+
+
+def gpu_bytes(own):
+    """The GPU memory to fit in, from --gpu_mem_gib or --gpu (None: no question asked)."""
+    if own["gpu"]:
+        if own["gpu"].lower() not in GPUS:
+            configurator.fail(f"unknown --gpu={own['gpu']} (choose one of {', '.join(GPUS)}, or give --gpu_mem_gib)")
+        return GPUS[own["gpu"].lower()] * 2**20
+    return int(float(own["gpu_mem_gib"]) * 2**30) if own["gpu_mem_gib"] else None
