@@ -3,19 +3,21 @@ plan.py's command line: its own flags beside train.py's settings, the rows plann
 the table, the JSON and the pictures.
 """
 import sys
+import textwrap
 from typing import Callable, NamedTuple
 
 import configurator
 import training
 from backends import BACKENDS, BackendError
 
+from . import calibrate, search, timing
 from .cuda import CUBLAS_WORKSPACES, CUBLAS_WORKSPACE_BYTES, CUDA_CONTEXT_BYTES, NCCL_COMMUNICATOR_BYTES, gpu_bytes
 from .draw import draw, draw_timelines
 from .step import Child, busbw, in_child, largest_batch, plan, second_batch
 
 
 PLAN_FLAGS = {"nproc": "1,2,4,8", "rank": 0, "json": "", "png": "", "gpu": "", "gpu_mem_gib": "", "busbw_gbps": "",
-              "timeline": "", "timeline_json": ""}  # plan.py's own settings, beside train.py's
+              "timeline": "", "timeline_json": "", "search": ""}  # plan.py's own settings, beside train.py's
 PLAN_FLAG_HELP = {
     "nproc": "world sizes to plan, comma-separated",
     "rank": "the rank planned (rank 0's shards are the largest; past a world size, rank 0 there)",
@@ -26,6 +28,7 @@ PLAN_FLAG_HELP = {
     "busbw_gbps": "the bus bandwidth the communication time is projected at (default: NCCL's on H100s by W)",
     "timeline": "draw each row's memory through the step to this PNG",
     "timeline_json": "write each row's memory through the step to this JSON file",
+    "search": "the fastest settings that fit (--search alone: the default grid; or \"KEY=V1,V2 ...\")",
 }
 
 
@@ -51,6 +54,8 @@ def split_argv(argv):
     for arg in argv:
         key = arg[2:].partition("=")[0] if arg.startswith("--") else None
         if key in PLAN_FLAGS:
+            if arg == "--search":  # (alone: the default grid)
+                arg = "--search=all"
             if "=" not in arg:  # (--json plan.json would read plan.json as a config file)
                 configurator.fail(f"{arg} takes its value after '=': {arg}=VALUE")
             own[key] = arg.partition("=")[2]
@@ -84,7 +89,8 @@ def plan_row(settings, backend_name, world, rank, own, limit, drawn, gloo):
     asked = limit is not None  # (the GPU's memory given: the largest batch too, from a second plan beside)
     second = Child(plan, dict(settings, batch_size=second_batch(settings["batch_size"])), backend_name, world, rank,
                    gloo=gloo, keep_trace=True) if asked else None
-    row = in_child(plan, settings, backend_name, world, rank, drawn, gloo, keep_trace=asked)
+    row = in_child(plan, settings, backend_name, world, rank, drawn, gloo, keep_trace=asked,
+                   device=time_device(own, world, gloo))
     timeline = None
     if drawn:
         timeline = {k: row[k] for k in ("backend", "nproc", "rank", "peak_allocated_bytes", "peak_at")} | row.pop("timeline")
@@ -100,6 +106,16 @@ def plan_row(settings, backend_name, world, rank, own, limit, drawn, gloo):
     return row, timeline
 
 
+def time_device(own, world, gloo):
+    """The device the step is timed on: --gpu's (published peaks), this CPU for a CPU run (measured
+    once, calibrate.py), else None."""
+    if own["gpu"]:
+        return timing.gpu(own["gpu"].lower(), busbw(world, own["busbw_gbps"]) * 1e9)
+    if gloo:
+        return calibrate.cpu(world, own["cpu_figures"])
+    return None
+
+
 def main(argv):
     own, rest = split_argv(argv)
     limit = gpu_bytes(own)
@@ -110,11 +126,14 @@ def main(argv):
     if not given("dtype"):
         settings["dtype"] = "bfloat16"  # (what train.py takes on the GPUs plans are for)
     gloo = given("device") and settings["device"] == "cpu"  # (a CPU run: its collectives go through gloo)
+    own["cpu_figures"] = calibrate.figures() if gloo and not own["gpu"] else None  # (once, before the children)
     settings["vocab_size"] = training.vocab_size(settings)
     compiled, settings["compile"] = settings["compile"], False  # (torch.compile's kernels: not planned)
     backends = [settings["dist_backend"]] if given_backend else list(BACKENDS)
     if settings["cpu_offload"] and not given_backend:  # (DDP does not offload: plan(ddp) refuses it)
         backends = [b for b in backends if b != "ddp"]
+    if own["search"]:
+        return search_main(own, rest, settings, backends if given_backend else ["custom_fsdp"], limit, gloo)
     rows, timelines = [], []
     drawn = bool(own["timeline"] or own["timeline_json"])
     jobs = [(backend_name, world, own["rank"] if own["rank"] < world else 0)
@@ -148,6 +167,26 @@ def main(argv):
         draw_timelines(timelines, settings, own["timeline"])
 
 
+def search_main(own, rest, settings, backends, limit, gloo):
+    """plan.py --search: one backend at one world size, its grid planned and ranked (search.py)."""
+    if len(own["nproc"]) != 1 or len(backends) != 1:
+        configurator.fail("--search plans one world size and one backend: give --nproc=W (and --dist_backend)")
+    world, backend_name = own["nproc"][0], backends[0]
+    device = time_device(own, world, gloo)
+    if device is None:
+        configurator.fail("--search ranks by time: name the GPU (--gpu=h100), or plan a CPU run (--device=cpu)")
+    grid = search.parse_grid(own["search"])
+    print(f"searching {backend_name} at W={world}: {', '.join(f'{k} in {v}' for k, v in grid.items())}",
+          file=sys.stderr, flush=True)
+    rows = search.search(settings, backend_name, world, own["rank"] if own["rank"] < world else 0,
+                         grid, limit, device, gloo, ROWS_AT_ONCE)
+    print(search.report(rows, rest, backend_name, world))
+    if own["json"]:
+        import json
+        with open(own["json"], "w") as f:
+            json.dump(rows, f, indent=1)
+
+
 def gib(n):
     """Bytes in GiB, as the table shows them."""
     return f"{n / 2**30:,.2f}"
@@ -160,6 +199,7 @@ class Column(NamedTuple):
     spec: str
     cell: Callable
     answers: bool = False
+    timed: bool = None  # True: shown when the step is timed (--gpu, or a CPU run); False: when not
 
 
 TABLE_COLUMNS = (
@@ -169,8 +209,11 @@ TABLE_COLUMNS = (
     Column("peak GiB", ">9", lambda r: gib(r["peak_allocated_bytes"])),
     Column("reserve", ">9", lambda r: gib(r["reserved_bytes"])),
     Column("state GiB", ">9", lambda r: gib(r["state_bytes"])),
-    Column("comm GiB", ">9", lambda r: gib(sum(r["comm_bytes_per_step"].values()))),
-    Column("comm ms", ">8", lambda r: f"{r['comm_seconds_per_step'] * 1e3:,.1f}"),
+    Column("comm GiB", ">9", lambda r: gib(sum(r["comm_bytes_per_step"].values())), timed=False),
+    Column("comm ms", ">8", lambda r: f"{r['comm_seconds_per_step'] * 1e3:,.1f}", timed=False),
+    Column("step ms", ">8", lambda r: f"{r['step_seconds'] * 1e3:,.1f}", timed=True),
+    Column("exposed", ">8", lambda r: f"{r['exposed_comm_seconds'] * 1e3:,.1f}", timed=True),
+    Column("tokens/s", ">10", lambda r: f"{r['tokens_per_second']:,.0f}", timed=True),
     Column("headroom", ">8", lambda r: gib(r["headroom_bytes"]), answers=True),
     Column("max batch", ">9", lambda r: r["max_batch_size"], answers=True),
     Column("peak at", "", lambda r: r["peak_at"]),  # (free text, last)
@@ -185,7 +228,8 @@ def table_line(columns, cells):
 
 def table(rows, settings, limit, gloo=False):
     answers = limit is not None
-    columns = [c for c in TABLE_COLUMNS if answers or not c.answers]
+    timed = bool(rows) and "step_seconds" in rows[0]
+    columns = [c for c in TABLE_COLUMNS if (answers or not c.answers) and c.timed in (None, timed)]
     lines = [table_line(columns, [c.name for c in columns])]
     lines += [table_line(columns, [c.cell(r) for c in columns]) for r in rows]
     lines.append(f"\nbatch_size={settings['batch_size']}, block_size={settings['block_size']}, dtype={settings['dtype']}; "
@@ -198,6 +242,10 @@ def table(rows, settings, limit, gloo=False):
                 smallest.setdefault(r["backend"], r["nproc"])
         lines.append(f"in {limit / 2**30:,.1f} GiB: " + "; ".join(
             f"{b} fits from W={w}" for b, w in smallest.items()) if smallest else "none of these fits")
+    if timed:
+        lines += textwrap.wrap(f"step ms: the time model (planner/timing.py) on {rows[0]['device']}: "
+                               f"{rows[0]['device_source']}.", 110)
+        lines.append("exposed: of it, the compute waiting on collectives. tokens/s: the global batch over the step.")
     lines.append("peak: allocated, as the CPU allocator counts it (kernels' own scratch aside).")
     if gloo:
         lines.append("device=cpu: gloo's buffers count at their worst: a gather's from the call to its wait,")
@@ -212,7 +260,8 @@ def table(rows, settings, limit, gloo=False):
         lines.append("cpu_offload: peak and reserve are the GPU's; the state column lives in (pinned) host memory.")
         lines.append("Not modelled there: a unit's shard copied to the GPU for its gather, and its reduced grads")
         lines.append("until they are copied out (together at most two of the largest unit's shards).")
-    lines.append("comm ms: a projection, the step's bus bytes over a bus bandwidth of " + ", ".join(
-        f"{b:g}" for b in sorted({r["busbw_gbps"] for r in rows})) + " GB/s (H100s: NVLink to W=8,")
-    lines.append("InfiniBand above; --busbw_gbps sets it); latency aside, before any overlap with compute.")
+    if not timed:
+        lines.append("comm ms: a projection, the step's bus bytes over a bus bandwidth of " + ", ".join(
+            f"{b:g}" for b in sorted({r["busbw_gbps"] for r in rows})) + " GB/s (H100s: NVLink to W=8,")
+        lines.append("InfiniBand above; --busbw_gbps sets it); latency aside, before any overlap with compute.")
     return "\n".join(lines)

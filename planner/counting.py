@@ -16,6 +16,8 @@ from torch.utils._pytree import tree_flatten
 
 from fsdp_impl.comm import collective_bytes
 
+from . import timing
+
 
 ROLES = ("parameters", "gradients", "optimizer_state", "gathered_parameters", "communication", "activations", "other")
 STATE_ROLES = ("parameters", "gradients", "optimizer_state")  # ZeRO's model states: what CPU offload moves
@@ -64,6 +66,7 @@ class Allocations(TorchDispatchMode):
         self.units = []  # (index in the trace, where): a block's forward or backward begins
         self.role_of = {}  # storage number -> the first role in ROLES that roles() gave it while it lived
         self.sampling = False  # roles() at every mark and block too (for the timeline), not only at peaks
+        self.ops = None  # [Op] of the step being timed (timing.py), once the run asks for them
 
     def __enter__(self):
         # a storage resized in place (FSDP2's and fsdp_impl's free and refill of gathered
@@ -97,6 +100,8 @@ class Allocations(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         if func.namespace in ("c10d", "_c10d_functional"):
             self._collective(func, args, out)
+        elif self.ops is not None:
+            self.ops.append(timing.compute_op(func, args, kwargs, out, self.where))
         inputs = None
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor):
@@ -245,6 +250,8 @@ class Allocations(TorchDispatchMode):
         if group.size() > 1:
             self.groups.add(group.group_name)
         self.count_collective(kind, collective_bytes(tensors), group.size())
+        if self.ops is not None:
+            self.ops.append(timing.collective_op(kind, collective_bytes(tensors), group.size(), args, out, self.where))
         self.collectives.append((len(self.trace), kind, self.where))
         for t in tensors:
             key = t.untyped_storage()._cdata

@@ -96,9 +96,9 @@ GPUS = {"a100": 81_920, "h100": 81_559, "h200": 143_771}  # MiB, as nvidia-smi r
 
 
 def gpu_bytes(own):
-    """The GPU memory to fit in, from --gpu_mem_gib or --gpu (None: no question asked)."""
-    if own["gpu"]:
-        if own["gpu"].lower() not in GPUS:
-            configurator.fail(f"unknown --gpu={own['gpu']} (choose one of {', '.join(GPUS)}, or give --gpu_mem_gib)")
-        return GPUS[own["gpu"].lower()] * 2**20
-    return int(float(own["gpu_mem_gib"]) * 2**30) if own["gpu_mem_gib"] else None
+    """The GPU memory to fit in, from --gpu_mem_gib, else --gpu's (None: no question asked)."""
+    if own["gpu"] and own["gpu"].lower() not in GPUS:
+        configurator.fail(f"unknown --gpu={own['gpu']} (choose one of {', '.join(GPUS)}, or give --gpu_mem_gib)")
+    if own["gpu_mem_gib"]:
+        return int(float(own["gpu_mem_gib"]) * 2**30)
+    return GPUS[own["gpu"].lower()] * 2**20 if own["gpu"] else None

@@ -16,6 +16,7 @@ from backends import BackendError, DDPBackend, make_backend
 from fsdp_impl.comm import collective_bytes
 from model import GPT, GPTConfig
 
+from . import timing
 from .counting import STATE_ROLES, Allocations, GlooBuffers, roles, storage_id
 from .cuda import CUDA_CONTEXT_BYTES, NCCL_COMMUNICATOR_BYTES, cuda_model
 
@@ -109,12 +110,15 @@ def steps(counter, settings, back, model, local_steps, fake):
                     state.append(state_bytes(optimizer))
         if step == 1:
             counter.comm, counter.bus_bytes = {}, 0  # communication per step: the second step's
+            counter.ops = []  # and its ops, for the time model
         training.train_step(settings, back, model, optimizer, local_steps, random_batch(settings), step,
                             dist.get_rank(), mark=mark)
         if step == 0:
             counter.steady = counter.allocated
     for bucket in getattr(model, "_planned_ddp_buckets", ()):  # DDP's reducer all-reduces each bucket once a step
         counter.count_collective("all_reduce", collective_bytes([bucket]), back.world_size)
+        counter.ops.append(timing.collective_op("all_reduce", collective_bytes([bucket]), back.world_size, (), None,
+                                                "ddp's buckets"))
     counter.snapshot_if_at_peak()
     counter.roles = None
     return state[0]
@@ -175,7 +179,7 @@ def busbw(world, given=""):
     return INFINIBAND_BUSBW[min([w for w in INFINIBAND_BUSBW if w >= world] or [1024])]
 
 
-def plan(settings, backend_name, world, rank, timeline=False, gloo=False, keep_trace=False):
+def plan(settings, backend_name, world, rank, timeline=False, gloo=False, keep_trace=False, device=None):
     """One backend at W ranks, as rank `rank`: the row plan.py reports; with timeline, its
     "timeline" too (Allocations.timeline), with keep_trace the "trace" the CUDA model replays. Under
     cpu_offload the run is planned without it, and the GPU's side is what stays after the state
@@ -193,6 +197,8 @@ def plan(settings, backend_name, world, rank, timeline=False, gloo=False, keep_t
         made_of = None  # (the breakdown is the whole run's)
     cuda = cuda_model(trace)
     extra = {"trace": trace} if keep_trace else {}
+    if device is not None:
+        extra |= step_time(counter.ops, device, settings)
     if timeline:
         extra["timeline"] = dict(counter.timeline(exclude=counter.host_numbers if offload else ()),
                                  peak_event=peak_event)
@@ -205,6 +211,17 @@ def plan(settings, backend_name, world, rank, timeline=False, gloo=False, keep_t
             "steady_bytes": counter.steady, "state_bytes": state, "comm_bytes_per_step": counter.comm,
             "comm_bus_bytes_per_step": round(counter.bus_bytes),
             "seconds": round(time.time() - started, 2)}
+
+
+def step_time(ops, device, settings):
+    """The time model's answers for the planned step (timing.py) on `device`."""
+    t = timing.replay(ops, device)
+    tokens = settings["gradient_accumulation_steps"] * settings["batch_size"] * settings["block_size"]
+    peak = timing.peak_flops(device, settings["dtype"])
+    return {"device": device.name, "step_seconds": t.seconds, "compute_seconds": t.compute_seconds,
+            "comm_busy_seconds": t.comm_seconds, "exposed_comm_seconds": t.exposed_comm_seconds,
+            "tokens_per_second": tokens / t.seconds, "mfu": t.flops / t.seconds / peak if peak else None,
+            "device_source": device.source}
 
 
 def device_side(counter):

@@ -37,10 +37,16 @@ class RunResult(NamedTuple):
         return f"exit {self.returncode}\n--- stdout ---\n{self.stdout[-4000:]}\n--- stderr ---\n{self.stderr[-6000:]}"
 
 
+CACHE = tempfile.mkdtemp(prefix="fsdp-gpt-test-cache-")
+atexit.register(shutil.rmtree, CACHE, True)
+
+
 def subprocess_env():
     env = dict(os.environ)
     # (faulthandler: a process that crashes, say with SIGSEGV, prints its threads' Python stacks)
     env.update(OMP_NUM_THREADS="1", WANDB_MODE="disabled", PYTHONUNBUFFERED="1", PYTHONFAULTHANDLER="1")
+    # plan.py's CPU calibration, measured beside other tests' runs, stays out of the user's cache
+    env["XDG_CACHE_HOME"] = CACHE
     # never inherit a launcher's rendezvous variables: a plain `python train.py` must be one process
     for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
               "GROUP_RANK", "ROLE_RANK", "TORCHELASTIC_RUN_ID"):

@@ -334,7 +334,10 @@ def test_plan_check_sets_train_py_beside_the_plan(char_data, tmp_path):
                                         (["--gpu=v100"], "v100"), (["--gpu_mem_gib=-1"], "--gpu_mem_gib"),
                                         (["--rank=-1"], "--rank"), (["--busbw_gbps=fast"], "--busbw_gbps"),
                                         (["--dist_backend=ddp", "--cpu_offload=True"], "cpu_offload"),
-                                        (["--json", "plan.json"], "--json=VALUE")])
+                                        (["--json", "plan.json"], "--json=VALUE"),
+                                        (["--search", "--nproc=1,2", "--gpu=h100"], "one world size"),
+                                        (["--search", "--nproc=2"], "--gpu=h100"),
+                                        (["--search=micro_batch=triple", "--nproc=2", "--gpu=h100"], "micro_batch")])
 def test_bad_input_is_one_line(args, names):
     res = new_interpreter([sys.executable, REPO / "plan.py", *args], timeout=60)
     assert names in one_error_line(res)

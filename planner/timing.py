@@ -1,0 +1,156 @@
+"""
+The step's time, from the ops the plan saw. Each op gets a duration: its FLOPs over the device's
+matmul rate or its bytes over the memory bandwidth, whichever is longer, plus the host's cost of
+issuing it. Each collective gets its latency plus its bus bytes over the bus bandwidth. The step is
+then replayed in order on three clocks: the host, the compute stream and the communication
+stream. An op that reads what a collective writes waits for that collective: the schedule's real
+dependencies, FSDP's waits included. On a GPU the host runs ahead of the device; on a CPU the host
+computes, so its clock is the compute clock.
+
+Left out: kernels' overlap with one another, caches, the CPU's turbo and its other processes,
+NCCL's channels competing with compute for the GPU's memory, and DDP's buckets overlapping
+backward (its all-reduces are issued at the step's last backward op).
+"""
+from typing import NamedTuple
+
+import torch
+from torch.utils._pytree import tree_flatten
+from torch.utils.flop_counter import flop_registry
+
+
+class Op(NamedTuple):
+    """One op of the timed step: compute (flops, bytes moved) or a collective (kind, bytes, group
+    size); the storages it reads and writes; sync: the host waits for the device (.item())."""
+    kind: str  # "compute" or the collective's kind
+    flops: int
+    nbytes: int
+    dtype: torch.dtype
+    group: int
+    reads: frozenset
+    writes: frozenset
+    sync: bool
+    where: str
+
+
+def _tensors(tree):
+    from .counting import plain_tensors
+    return [x for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor) for x in plain_tensors(t)]
+
+
+def _keys(tensors):
+    return frozenset(t.untyped_storage()._cdata for t in tensors if not t.is_meta)
+
+
+def compute_op(func, args, kwargs, out, where):
+    """The Op of one aten call: its FLOPs by torch's FLOP counter (matmuls, attention), its bytes as
+    what it reads and writes (a view moves none; an in-place op writes what it reads)."""
+    inputs, outputs = _tensors((args, kwargs)), _tensors(out)
+    formula = flop_registry.get(func.overloadpacket)
+    flops = formula(*args, **(kwargs or {}), out_val=out) if formula is not None else 0
+    if func.is_view:
+        nbytes = 0
+    else:
+        nbytes = sum(t.numel() * t.element_size() for t in inputs + outputs)
+    dtype = outputs[0].dtype if outputs else torch.float32
+    return Op("compute", flops, nbytes, dtype, 1, _keys(inputs), _keys(outputs),
+              func is torch.ops.aten._local_scalar_dense.default, where)
+
+
+def collective_op(kind, nbytes, group, args, out, where):
+    """The Op of one collective: what it reads, and what it writes (its outputs; c10d's in-place
+    ones write their first argument)."""
+    written = _tensors(out) + _tensors(args[:1])
+    return Op(kind, 0, nbytes, torch.float32, group, _keys(_tensors(args)), _keys(written), False, where)
+
+
+def bus_bytes(op):
+    """What each rank's link carries for the collective (nccl-tests' busbw is these over the time)."""
+    share = (op.group - 1) / op.group
+    return op.nbytes * {"all_gather": share, "reduce_scatter": share, "all_reduce": 2 * share}.get(op.kind, 1)
+
+
+class Device(NamedTuple):
+    """What a device does per second, and what it costs the host to issue an op."""
+    name: str
+    matmul_flops: dict  # dtype -> FLOP/s of large matmuls
+    bandwidth: float  # bytes/s of memory traffic
+    op_seconds: float  # the host's time per op: Python, dispatch, autograd, launch
+    host_runs_ahead: bool  # a GPU: the host only issues; a CPU: the host computes
+    comm_latency: dict  # (kind, W) -> seconds, or kind -> seconds
+    comm_busbw: dict  # (kind, W) -> bytes/s, or kind -> bytes/s
+    source: str
+
+    def flops_per_second(self, dtype):
+        return self.matmul_flops.get(dtype, self.matmul_flops[torch.float32])
+
+    def collective_seconds(self, op):
+        key = (op.kind, op.group) if (op.kind, op.group) in self.comm_busbw else op.kind
+        latency = self.comm_latency.get(key, self.comm_latency.get("all_reduce", 0.0))
+        busbw = self.comm_busbw.get(key, self.comm_busbw.get("all_reduce"))
+        return latency + bus_bytes(op) / busbw
+
+
+class StepTime(NamedTuple):
+    seconds: float  # the step, host issue to the last kernel's end
+    compute_seconds: float  # the compute stream's busy time
+    comm_seconds: float  # the communication stream's busy time
+    exposed_comm_seconds: float  # compute waiting on collectives
+    flops: int  # the step's FLOPs, as counted
+
+
+def replay(ops, device):
+    """The step's time: `ops` in order on the host, compute and communication clocks."""
+    host = compute = comm = busy = comm_busy = exposed = 0.0
+    written_at = {}  # storage key -> when the collective writing it ends
+    flops = 0
+    for op in ops:
+        host += device.op_seconds
+        if op.kind != "compute":
+            start = max(comm, compute if device.host_runs_ahead else host)  # (its input is the compute's)
+            comm = start + device.collective_seconds(op)
+            comm_busy += comm - start
+            for key in op.writes:
+                written_at[key] = comm
+            continue
+        start = max(compute, host) if device.host_runs_ahead else host
+        ready = max((written_at.pop(key) for key in op.reads if key in written_at), default=0.0)
+        if ready > start:
+            exposed += ready - start
+            start = ready
+        seconds = max(op.flops / device.flops_per_second(op.dtype), op.nbytes / device.bandwidth)
+        compute = start + seconds
+        busy += seconds
+        flops += op.flops
+        if not device.host_runs_ahead or op.sync:
+            host = max(host, compute)
+    return StepTime(max(host, compute, comm), busy, comm_busy, exposed, flops)
+
+
+# Published peaks (dense, per GPU) and the fraction of them that large kernels reach, the latter
+# assumed until scripts/plan_check.py measures them on a lent GPU: matmuls at 60% of the tensor-core
+# peak (cuBLAS on large GEMMs), memory-bound kernels at 80% of HBM's bandwidth, 10 µs of host time
+# per op (eager PyTorch's dispatch and launch), NCCL at 20 µs latency.
+GPU_PEAKS = {  # name: (bf16 FLOP/s, tf32 FLOP/s, HBM bytes/s, source)
+    "a100": (312e12, 156e12, 2.039e12, "NVIDIA A100 80GB SXM datasheet"),
+    "h100": (989e12, 494e12, 3.35e12, "NVIDIA H100 SXM datasheet"),
+    "h200": (989e12, 494e12, 4.8e12, "NVIDIA H200 SXM datasheet"),
+}
+MATMUL_EFFICIENCY, MEMORY_EFFICIENCY, GPU_OP_SECONDS, NCCL_LATENCY = 0.6, 0.8, 10e-6, 20e-6
+
+
+def gpu(name, busbw_bytes):
+    bf16, tf32, hbm, source = GPU_PEAKS[name]
+    flops = {torch.bfloat16: bf16 * MATMUL_EFFICIENCY, torch.float16: bf16 * MATMUL_EFFICIENCY,
+             torch.float32: tf32 * MATMUL_EFFICIENCY}
+    kinds = ("all_gather", "reduce_scatter", "all_reduce", "broadcast")
+    return Device(name, flops, hbm * MEMORY_EFFICIENCY, GPU_OP_SECONDS, True,
+                  dict.fromkeys(kinds, NCCL_LATENCY), dict.fromkeys(kinds, busbw_bytes),
+                  f"{source}; matmuls at {MATMUL_EFFICIENCY:.0%}, memory at {MEMORY_EFFICIENCY:.0%} (assumed)")
+
+
+def peak_flops(device, dtype):
+    """The GPU's published peak for `dtype` (MFU's denominator); None on a CPU."""
+    if device.name not in GPU_PEAKS:
+        return None
+    bf16, tf32 = GPU_PEAKS[device.name][:2]
+    return tf32 if dtype == "float32" else bf16

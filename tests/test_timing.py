@@ -1,0 +1,104 @@
+"""The time model (planner/timing.py): the replay's clocks and waits on hand-made ops, the FLOPs
+and bytes it gives aten's ops, and plan.py's timed rows."""
+import json
+import sys
+
+import torch
+
+import planner.timing as timing
+from conftest import REPO, launch
+
+NOTHING = frozenset()
+
+
+def device(host_runs_ahead, op_seconds=0.0):
+    """1 GFLOP/s, 1 GB/s, 1 ms of latency and 1 GB/s of bus bandwidth: times read in round numbers."""
+    return timing.Device("test", {torch.float32: 1e9}, 1e9, op_seconds, host_runs_ahead, {"all_gather": 1e-3},
+                         {"all_gather": 1e9}, "made up")
+
+
+def compute(flops=0, nbytes=0, reads=NOTHING, writes=NOTHING, sync=False):
+    return timing.Op("compute", flops, nbytes, torch.float32, 1, reads, writes, sync, "")
+
+
+def gather(nbytes, writes):  # at two ranks: half its bytes cross the link
+    return timing.Op("all_gather", 0, nbytes, torch.float32, 2, NOTHING, writes, False, "")
+
+
+def test_an_op_waits_for_the_collective_that_writes_what_it_reads():
+    ops = [gather(2e6, frozenset({1})), compute(flops=1e6), compute(flops=1e6, reads=frozenset({1}))]
+    t = timing.replay(ops, device(host_runs_ahead=False))
+    # the gather: 1 ms + 1 MB over 1 GB/s = 2 ms; the first op (1 ms) hides half of it
+    assert abs(t.seconds - 3e-3) < 1e-12 and abs(t.exposed_comm_seconds - 1e-3) < 1e-12
+    assert abs(t.compute_seconds - 2e-3) < 1e-12 and abs(t.comm_seconds - 2e-3) < 1e-12 and t.flops == 2e6
+
+
+def test_a_collective_hidden_under_independent_compute_costs_nothing():
+    ops = [gather(2e6, frozenset({1})), compute(nbytes=5e6), compute(flops=1e3, reads=frozenset({1}))]
+    t = timing.replay(ops, device(host_runs_ahead=False))
+    assert t.exposed_comm_seconds == 0 and abs(t.seconds - (5e-3 + 1e-6)) < 1e-12
+
+
+def test_a_gpu_is_host_bound_when_its_ops_are_short_and_waits_only_at_a_sync():
+    short = [compute(flops=1e3) for _ in range(10)]  # 1 µs each on the device, 10 µs each to issue
+    t = timing.replay(short, device(host_runs_ahead=True, op_seconds=10e-6))
+    assert abs(t.seconds - 101e-6) < 1e-12 and abs(t.compute_seconds - 10e-6) < 1e-12  # (the last runs after its issue)
+    long = [compute(flops=1e6) for _ in range(3)] + [compute(sync=True)]  # 1 ms each: the host runs ahead
+    t = timing.replay(long, device(host_runs_ahead=True, op_seconds=10e-6))
+    assert abs(t.seconds - (10e-6 + 3e-3)) < 1e-9
+
+
+def test_aten_ops_get_torchs_flops_and_the_bytes_they_move():
+    a, b = torch.ones(8, 16), torch.ones(16, 4)
+    mm = timing.compute_op(torch.ops.aten.mm.default, (a, b), {}, a @ b, "")
+    assert mm.flops == 2 * 8 * 16 * 4 and mm.nbytes == 4 * (8 * 16 + 16 * 4 + 8 * 4)
+    view = timing.compute_op(torch.ops.aten.view.default, (a, [128]), {}, a.view(128), "")
+    assert view.flops == 0 and view.nbytes == 0
+    item = timing.compute_op(torch.ops.aten._local_scalar_dense.default, (a[0, 0],), {}, 1.0, "")
+    assert item.sync
+
+
+def test_plan_times_each_row_on_the_gpu_it_is_asked_for(tmp_path):
+    """--gpu=h100: every row is timed; tokens/s is the global batch over the step, the MFU below 1,
+    and one rank's step has no communication to expose."""
+    import pickle
+    (tmp_path / "meta.pkl").write_bytes(pickle.dumps({"vocab_size": 65}))
+    out = tmp_path / "plan.json"
+    res = launch([sys.executable, REPO / "plan.py", "--dist_backend=custom_fsdp", "--nproc=1,2", "--gpu=h100",
+                  "--n_layer=2", "--n_embd=64", "--n_head=4", "--batch_size=4", "--block_size=32",
+                  f"--data_dir={tmp_path}", f"--json={out}"], timeout=180, fork=False)
+    assert res.returncode == 0, res.describe()
+    rows = json.loads(out.read_text())
+    for r in rows:
+        assert r["device"] == "h100" and r["step_seconds"] > 0
+        assert abs(r["tokens_per_second"] * r["step_seconds"] - 4 * 4 * 32) < 1e-6
+        assert 0 < r["mfu"] < 1 and r["step_seconds"] >= r["compute_seconds"]
+    assert rows[0]["exposed_comm_seconds"] == 0 and rows[1]["comm_busy_seconds"] > 0
+    assert "step ms" in res.stdout and max(len(line) for line in res.stdout.splitlines()) <= 120
+
+
+def test_search_ranks_the_settings_that_fit_by_time_and_prints_the_best_command(tmp_path):
+    """--search over activation checkpointing alone: recomputing every block's forward costs time,
+    so the plain run ranks first; the GPU's memory given (--gpu_mem_gib) between the two rows'
+    needs, only the checkpointed one fits, and its command line is the one printed."""
+    import pickle
+    (tmp_path / "meta.pkl").write_bytes(pickle.dumps({"vocab_size": 65}))
+    model = ["--n_layer=2", "--n_embd=64", "--n_head=4", "--batch_size=16", "--block_size=64", f"--data_dir={tmp_path}"]
+    grid = "--search=activation_checkpointing=False,True wrap_policy=block reshard_after_forward=True micro_batch=same"
+
+    def searched(*extra):
+        out = tmp_path / "search.json"
+        res = launch([sys.executable, REPO / "plan.py", "--dist_backend=custom_fsdp", "--nproc=2", "--gpu=h100",
+                      *model, grid, f"--json={out}", *extra], timeout=180, fork=False)
+        assert res.returncode == 0, res.describe()
+        return res.stdout, json.loads(out.read_text())
+    stdout, rows = searched()
+    assert [r["settings"]["activation_checkpointing"] for r in rows] == [False, True], rows
+    assert rows[0]["tokens_per_second"] > rows[1]["tokens_per_second"] and all(r["fits"] for r in rows)
+    assert "--activation_checkpointing=False" in stdout.splitlines()[-1]
+    need = [(r["reserved_bytes"] + r["outside_allocator_bytes"]) / 2**30 for r in rows]
+    assert need[1] < need[0]
+    stdout, rows = searched(f"--gpu_mem_gib={(need[0] + need[1]) / 2}")
+    fitting = [r for r in rows if r["fits"]]
+    assert [r["settings"]["activation_checkpointing"] for r in fitting] == [True], rows
+    assert "--activation_checkpointing=True" in stdout.splitlines()[-1] and "1 of 3 planned settings fit" in stdout
