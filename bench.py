@@ -305,7 +305,71 @@ def ran_on_cuda(runs):
 
 # --- modes -------------------------------------------------------------------------------------
 
+def predictions(args, extra):
+    """Each row's step as plan.py's time model predicts it (planned before the runs, one at a time,
+    on this CPU's calibration or the GPU's published figures), or {} on a GPU the model does not name."""
+    import planner
+    import training
+    from planner import calibrate, timing
+    from planner.step import busbw
+    out = {}
+    for b in args.backends:
+        s = training.settings(train_args(b, args.nproc, run_dir(args, b, "plan"), args.steps, extra))
+        s["vocab_size"], s["compile"] = training.vocab_size(s), False  # (compiled kernels: planned as eager)
+        if s["device"] == "cpu":
+            device = calibrate.cpu(args.nproc, calibrate.figures())
+        else:
+            import torch
+            name = next((g for g in timing.GPU_PEAKS if g in torch.cuda.get_device_name().lower()), None)
+            if name is None:
+                return {}
+            device = timing.gpu(name, busbw(args.nproc) * 1e9)
+        row = planner.in_child(planner.plan, s, split_row(b)[0], args.nproc, 0, gloo=s["device"] == "cpu",
+                               device=device)
+        out[b] = {"predicted_step_ms": row["step_seconds"] * 1e3,
+                  "predicted_exposed_ms": row["exposed_comm_seconds"] * 1e3, "predicted_on": row["device_source"]}
+        progress(f"  predicted {b}: {out[b]['predicted_step_ms']:.1f} ms/step")
+    return out
+
+
+def spearman(xs, ys):
+    """Spearman's rank correlation of two equally long lists (ties take their mean rank)."""
+    def ranks(v):
+        order = sorted(range(len(v)), key=lambda i: v[i])
+        r = [0.0] * len(v)
+        i = 0
+        while i < len(order):
+            j = i
+            while j + 1 < len(order) and v[order[j + 1]] == v[order[i]]:
+                j += 1
+            for k in range(i, j + 1):
+                r[order[k]] = (i + j) / 2
+            i = j + 1
+        return r
+    rx, ry = ranks(xs), ranks(ys)
+    mx, my = statistics.mean(rx), statistics.mean(ry)
+    cov = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
+    norm = (sum((a - mx) ** 2 for a in rx) * sum((b - my) ** 2 for b in ry)) ** 0.5
+    return cov / norm if norm else None
+
+
+def prediction_lines(table):
+    """Predicted against measured, row by row, and how well the order agrees."""
+    rows = {b: r for b, r in table.items() if r.get("predicted_step_ms") is not None}
+    if not rows:
+        return []
+    lines = ["", "plan.py's time model against the measured medians:"] + table_lines(
+        ["predicted ms", "measured ms", "error"],
+        {b: [f"{r['predicted_step_ms']:.1f}", f"{r['step_ms']:.1f}",
+             f"{r['predicted_step_ms'] / r['step_ms'] - 1:+.1%}"] for b, r in rows.items()})
+    rho = spearman([r["predicted_step_ms"] for r in rows.values()], [r["step_ms"] for r in rows.values()])
+    if rho is not None and len(rows) > 2:
+        lines.append(f"Spearman's rank correlation of the {len(rows)} rows: {rho:.2f}")
+    return lines
+
+
 def bench_backends(args, extra):
+    predicted = predictions(args, extra) if args.predict else {}
     results = {b: [] for b in args.backends}
     for rep in range(args.repeats):
         for b in args.backends:  # interleaved
@@ -313,7 +377,7 @@ def bench_backends(args, extra):
             results[b].append(summarize_run(run_train(b, args.nproc, out, args.steps, extra), split_row(b)[0]))
             progress(f"  repeat {rep + 1}/{args.repeats} {b}: {results[b][-1]['step_ms']:.1f} ms/step")
     table = {b: median_of(runs) | {"exposed_comm_ms": None, "comm_ms": None, "hidden_fraction": None,
-                                   "exposed_by_place": None} for b, runs in results.items()}
+                                   "exposed_by_place": None} | predicted.get(b, {}) for b, runs in results.items()}
     for b in args.backends if args.exposed else ():  # one profiled run each: exposed communication
         progress(f"  profiled run {b}")
         out = run_dir(args, b, "profile")
@@ -326,7 +390,8 @@ def bench_backends(args, extra):
     paired = paired_step_ratios(results)
     print(f"\n{','.join(args.backends)} on {args.nproc} process(es), {args.repeats} repeat(s) of {args.steps} steps "
           f"(medians past the first {WARMUP_STEPS}); ratios vs {args.backends[0]}")
-    print("\n".join(main_lines(table, paired) + (detail_lines(table, paired) if args.detail else [])))
+    print("\n".join(main_lines(table, paired) + prediction_lines(table)
+                    + (detail_lines(table, paired) if args.detail else [])))
     return {"device": device_name(ran_on_cuda(table.values())), "nproc": args.nproc, "repeats": args.repeats,
             "steps": args.steps, "extra": extra, "backends": table, "step_ratio_per_repeat": paired,
             "step_ms_per_repeat": {b: [run["step_ms"] for run in runs] for b, runs in results.items()}}
@@ -357,10 +422,17 @@ def markdown_table(header, rows, align):
 def render_backends(result):
     table, paired = result["backends"], result.get("step_ratio_per_repeat", {})
     first_name, first = next(iter(table.items()))
+    predicted = all(row.get("predicted_step_ms") is not None for row in table.values())  # (bench.py --predict)
     rows = [[f"`{b}`", *main_cells(row, first), ratio_range(paired[b]) if b in paired else "-"]
-            for b, row in table.items()]
+            + ([f"{row['predicted_step_ms']:.1f}", f"{row['predicted_step_ms'] / row['step_ms'] - 1:+.1%}"]
+               if predicted else []) for b, row in table.items()]
     header = ["backend", *(c[1] for c in MAIN_COLUMNS), f"step vs {first_name}, paired: median (range)"]
-    return markdown_table(header, rows, "l" + "r" * (len(MAIN_COLUMNS) + 1))
+    header += ["predicted ms", "error"] if predicted else []
+    lines = markdown_table(header, rows, "l" + "r" * (len(header) - 1))
+    if predicted and len(table) > 2:
+        rho = spearman([row["predicted_step_ms"] for row in table.values()], [row["step_ms"] for row in table.values()])
+        lines += ["", f"plan.py's predicted step against the measured median: Spearman's rank correlation {rho:.2f}."]
+    return lines
 
 
 def render_sweep(result):
@@ -468,6 +540,7 @@ def main():
     # one world-size-1 GPU has no communication to expose, and a profiled compile run takes a minute
     p.add_argument("--exposed", type=boolean, default=None, help="one extra profiled run per backend for the "
                    "exposed communication, True or False (default: True)")
+    p.add_argument("--predict", action="store_true", help="beside each row, plan.py's predicted step (its time model)")
     p.add_argument("--detail", action="store_true", help="print every figure the JSON holds, not only the table")
     p.add_argument("--work_dir", default="bench_out", help="where the runs write")
     p.add_argument("--json", default=None,
@@ -477,7 +550,7 @@ def main():
     args, extra = p.parse_known_args()
     if args.render is not None:
         given = [f"--{k}" for k in ("backends", "nproc", "repeats", "steps", "exposed", "json")
-                 if getattr(args, k) is not None] + [f"--{k}" for k in ("sweep", "detail") if getattr(args, k)] + extra
+                 if getattr(args, k) is not None] + [f"--{k}" for k in ("sweep", "detail", "predict") if getattr(args, k)] + extra
         if given:
             p.error(f"--render reads {os.path.relpath(RESULTS_DIR)}/ and runs nothing: {given[0]} is not for it")
         if args.render:
@@ -496,8 +569,8 @@ def main():
         p.error(str(e))
     if args.sweep and args.nproc is not None:
         p.error(f"--nproc={args.nproc}: --sweep runs world sizes 1, 2 and 4")
-    if args.sweep and (args.repeats is not None or args.exposed is not None or args.detail):
-        p.error("--sweep runs each world size once, unprofiled: no --repeats, --exposed or --detail")
+    if args.sweep and (args.repeats is not None or args.exposed is not None or args.detail or args.predict):
+        p.error("--sweep runs each world size once, unprofiled: no --repeats, --exposed, --detail or --predict")
     args.exposed = True if args.exposed is None else args.exposed
     args.steps = 12 if args.steps is None else args.steps
     args.repeats = 3 if args.repeats is None else args.repeats

@@ -180,7 +180,7 @@ def search_main(own, rest, settings, backends, limit, gloo):
           file=sys.stderr, flush=True)
     rows = search.search(settings, backend_name, world, own["rank"] if own["rank"] < world else 0,
                          grid, limit, device, gloo, ROWS_AT_ONCE)
-    print(search.report(rows, rest, backend_name, world))
+    print(search.report(rows, rest, backend_name, world, settings))
     if own["json"]:
         import json
         with open(own["json"], "w") as f:

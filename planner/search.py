@@ -36,10 +36,17 @@ def parse_grid(text):
     return grid
 
 
+def global_accumulation(settings, world):
+    """The run's gradient_accumulation_steps, or the nearest multiple of W where it is none (train.py
+    refuses a split that leaves ranks uneven)."""
+    accum = settings["gradient_accumulation_steps"]
+    return accum if accum % world == 0 else world * max(1, round(accum / world))
+
+
 def settings_of(settings, world, choice):
     """The run's settings with one choice of the grid applied, or None where the batch split fails
     (the accumulation steps must stay a multiple of W)."""
-    batch, accum = settings["batch_size"], settings["gradient_accumulation_steps"]
+    batch, accum = settings["batch_size"], global_accumulation(settings, world)
     scale = {"half": 0.5, "same": 1, "double": 2}[choice["micro_batch"]]
     if scale < 1 and batch % 2 or scale > 1 and accum % 2:
         return None
@@ -77,10 +84,14 @@ KNOBS = ("wrap_policy", "reshard_after_forward", "activation_checkpointing", "pr
          "gradient_accumulation_steps")
 
 
-def report(rows, argv, backend_name, world):
+def report(rows, argv, backend_name, world, settings):
     """The top rows as a table, then the best one as a train.py command line."""
     fitting = [r for r in rows if r["fits"]]
     lines = [f"{'tokens/s':>10} {'step ms':>8} {'exposed':>8} {'reserve GiB':>11}  settings"]
+    accum = global_accumulation(settings, world)
+    if accum != settings["gradient_accumulation_steps"]:
+        lines.insert(0, f"gradient_accumulation_steps={settings['gradient_accumulation_steps']} is no multiple of "
+                        f"W={world}: searched at {accum}, the nearest")
     for r in fitting[:TOP]:
         knobs = " ".join(f"{k}={r['settings'][k]}" for k in KNOBS)
         lines.append(f"{r['tokens_per_second']:>10,.0f} {r['step_seconds'] * 1e3:>8,.1f} "

@@ -70,13 +70,14 @@ def block_marks(model, counter):
 
 
 def run(settings, backend_name, world, rank, fake=True, measured=nullcontext, group=None, sampling=False,
-        gloo=False):
+        gloo=False, timed=False):
     """Build the model and take two training steps as rank `rank` of `world`, under a fake process
     group, counting storages from the model's creation on. With fake=False the tensors are real, and
     `measured()` (the tests' profiler) is entered where the counting starts. Returns the counter,
     this rank's state bytes and its micro-steps per step. `group(world, rank)`: the process group
     to run in (PyTorch's fake one by default). sampling: roles noted at every mark and block. gloo:
-    a CPU run's process group, whose buffers count (GlooBuffers)."""
+    a CPU run's process group, whose buffers count (GlooBuffers). timed: the second step's ops kept
+    (counter.ops) for the time model."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     settings = dict(settings, device="cpu")
     local_steps = per_rank_micro_steps(settings, world)
@@ -87,11 +88,11 @@ def run(settings, backend_name, world, rank, fake=True, measured=nullcontext, gr
         model = meta_model(settings)
         with measured(), FakeTensorMode(allow_non_fake_inputs=True) if fake else nullcontext(), counter, \
                 GlooBuffers(counter) if gloo else nullcontext():
-            state = steps(counter, settings, back, model, local_steps, fake)
+            state = steps(counter, settings, back, model, local_steps, fake, timed)
     return counter, state, local_steps
 
 
-def steps(counter, settings, back, model, local_steps, fake):
+def steps(counter, settings, back, model, local_steps, fake, timed=False):
     back, model, optimizer = build_with(back, model, settings, plain_ddp=fake)
     counter.roles = lambda: roles(model, optimizer, counter.comm_storages)
     block_marks(model, counter)
@@ -110,15 +111,16 @@ def steps(counter, settings, back, model, local_steps, fake):
                     state.append(state_bytes(optimizer))
         if step == 1:
             counter.comm, counter.bus_bytes = {}, 0  # communication per step: the second step's
-            counter.ops = []  # and its ops, for the time model
+            counter.ops = [] if timed else None  # and its ops, for the time model
         training.train_step(settings, back, model, optimizer, local_steps, random_batch(settings), step,
                             dist.get_rank(), mark=mark)
         if step == 0:
             counter.steady = counter.allocated
     for bucket in getattr(model, "_planned_ddp_buckets", ()):  # DDP's reducer all-reduces each bucket once a step
         counter.count_collective("all_reduce", collective_bytes([bucket]), back.world_size)
-        counter.ops.append(timing.collective_op("all_reduce", collective_bytes([bucket]), back.world_size, (), None,
-                                                "ddp's buckets"))
+        if timed:
+            counter.ops.append(timing.collective_op("all_reduce", collective_bytes([bucket]), back.world_size, (), None,
+                                                    "ddp's buckets"))
     counter.snapshot_if_at_peak()
     counter.roles = None
     return state[0]
@@ -189,7 +191,7 @@ def plan(settings, backend_name, world, rank, timeline=False, gloo=False, keep_t
     if offload and backend_name == "ddp":  # (planned without offload below: ask train.py's refusal here)
         raise BackendError("cpu_offload and replicate_degree apply to the sharded backends only")
     counter, state, local_steps = run(dict(settings, cpu_offload=False), backend_name, world, rank, sampling=timeline,
-                                      gloo=gloo)
+                                      gloo=gloo, timed=device is not None)
     peak, peak_at, made_of, trace = counter.peak, counter.peak_where, counter.made_of(), counter.trace
     peak_event = counter.peak_index - 1
     if offload:

@@ -331,7 +331,7 @@ def test_bench_interleaves_the_rows_and_returns_the_table_it_prints(tmp_path, ca
         order.append((row, rep, nproc, steps, tuple(extra)))
         return synthetic_run(step[row, rep], 8.0, 50.0)
     args = mock.Mock(backends=["ddp", "custom_fsdp"], repeats=3, nproc=2, steps=5, exposed=False, detail=False,
-                     work_dir=str(tmp_path))
+                     predict=False, work_dir=str(tmp_path))
     with mock.patch.object(bench, "run_train", run_train):
         result = bench.bench_backends(args, ["--n_layer=2"])
     assert [o[:2] for o in order] == [("ddp", 0), ("custom_fsdp", 0), ("ddp", 1), ("custom_fsdp", 1),
@@ -896,3 +896,22 @@ def test_observer_rss_is_this_process_peak_in_mb():
     before, mine, after = vm_hwm_mb(), observe.rss_mb(), vm_hwm_mb()
     assert before - 1 <= mine <= after + 1, (before, mine, after)
     assert mine >= 64, mine
+
+
+def test_predict_plans_each_row_as_train_py_would_run_it_and_sets_it_beside_the_measured(tmp_path, capsys):
+    """--predict: each row planned with its own settings on this CPU's figures (the time model),
+    before the runs; the table then shows predicted against measured, and the ranks' agreement."""
+    import pickle
+    (tmp_path / "meta.pkl").write_bytes(pickle.dumps({"vocab_size": 65}))
+    args = mock.Mock(backends=["custom_fsdp", "custom_fsdp:activation_checkpointing=True"], nproc=2, steps=3,
+                     work_dir=str(tmp_path))
+    with mock.patch.dict(os.environ, {"XDG_CACHE_HOME": str(tmp_path / "cache")}):
+        predicted = bench.predictions(args, [*TINY, "--device=cpu", f"--data_dir={tmp_path}"])
+    plain, checkpointed = (predicted[b]["predicted_step_ms"] for b in args.backends)
+    assert 0 < plain < checkpointed  # (the checkpointed run computes each block's forward twice)
+    table = {"a": {"step_ms": 100.0, "predicted_step_ms": 110.0}, "b": {"step_ms": 200.0, "predicted_step_ms": 190.0},
+             "c": {"step_ms": 300.0, "predicted_step_ms": 150.0}}
+    lines = bench.prediction_lines(table)
+    assert [line.split("|")[-1].strip() for line in lines[3:6]] == ["+10.0%", "-5.0%", "-50.0%"]
+    assert lines[-1] == "Spearman's rank correlation of the 3 rows: 0.50"
+    assert bench.spearman([1, 2, 3, 4], [10, 20, 30, 40]) == 1.0 and bench.spearman([1, 2, 2], [3, 2, 1]) < 0
