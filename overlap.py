@@ -18,7 +18,8 @@ blocked it: which unit's all-gather or reduce-scatter to look at), on GPU the co
 
 draws the profiled steps (or step N alone) as lanes, one group per trace (ranks, or backends) on one time axis from
 each trace's first step: compute, the all-gathers, the reduce-scatters and all-reduces, each
-collective labelled with the unit whose range issued it, and the exposed time shaded.
+collective labelled with the unit whose range issued it, and the exposed time shaded. A file that
+plan.py --lanes_json wrote draws beside them as the step the time model predicts, its phases marked.
 """
 import json
 import os
@@ -217,23 +218,40 @@ def lanes(trace, step=None):
     return spans, out, exposed
 
 
+def groups(path, step=None):
+    """[(name, (steps, {lane: bars}, exposed, phases))]: the lanes a file draws. A profiled trace
+    gives one group; plan.py --lanes_json gives a group per row it timed, its phases marked."""
+    data = load(path)
+    if "predicted_lanes" in data:
+        return [(f"{p['backend']} W={p['nproc']} rank {p['rank']}, predicted",
+                 ([(0.0, p["step_ms"])], {lane: [tuple(b) for b in p["lanes"][lane]] for lane in LANES},
+                  [tuple(e) for e in p["exposed"]], p["phases"])) for p in data["predicted_lanes"]]
+    stem = os.path.splitext(os.path.basename(path))[0]
+    return [(f"{os.path.basename(os.path.dirname(path))} {stem}, profiled", lanes(data, step) + ([],))]
+
+
 def draw(paths, png, step=None):
-    """The lanes of each trace in `paths`, one group under another, on one time axis, into `png`
-    (with `step`: that profiled step alone)."""
+    """The lanes of each file in `paths` (profiled traces, plan.py's predicted steps), one group
+    under another, on one time axis, into `png` (with `step`: that profiled step alone)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     colours = {"compute": "#4c72b0", "all-gather": "#55a868", "reduce-scatter / all-reduce": "#dd8452"}
-    drawn = [(path, lanes(load(path), step)) for path in paths]
-    end = max((steps[-1][1] for _, (steps, _, _) in drawn if steps), default=1.0)
-    fig, ax = plt.subplots(figsize=(12, 0.8 + 0.45 * (len(LANES) + 1) * len(paths)))
+    drawn = [group for path in paths for group in groups(path, step)]
+    end = max((steps[-1][1] for _, (steps, _, _, _) in drawn if steps), default=1.0)
+    fig, ax = plt.subplots(figsize=(12, 0.8 + 0.45 * (len(LANES) + 1) * len(drawn)))
     ticks = []
-    for g, (path, (steps, by_lane, exposed)) in enumerate(drawn):
+    for g, (name, (steps, by_lane, exposed, phases)) in enumerate(drawn):
         top = (len(drawn) - g) * (len(LANES) + 1) - 1  # (the group's first lane; a gap between groups)
         for a, b in exposed:
             ax.fill_between([a, b], top - len(LANES) + 0.5, top + 0.5, color="#e41a1c", alpha=0.2, linewidth=0)
         for a, b in steps:
             ax.vlines([a, b], top - len(LANES) + 0.5, top + 0.5, color="#444444", linewidth=0.8, linestyles=":")
+        for i, (at, phase) in enumerate(phases):
+            ax.vlines(at, top - len(LANES) + 0.5, top + 0.6, color="#888888", linewidth=0.5)
+            following = phases[i + 1][0] if i + 1 < len(phases) else end
+            if following - at > end * 0.006 * len(phase):  # (where the name fits)
+                ax.text(at + end * 0.002, top + 0.62, phase, ha="left", va="bottom", fontsize=6, color="#444444")
         for i, lane in enumerate(LANES):
             y = top - i
             bars = by_lane[lane]
@@ -241,11 +259,10 @@ def draw(paths, png, step=None):
             for a, b, label in bars:
                 if label and b - a > end * 0.009 * len(label):  # (where the label fits)
                     ax.text((a + b) / 2, y, label, ha="center", va="center", fontsize=6, color="white")
-            name = os.path.join(os.path.basename(os.path.dirname(path)), os.path.basename(path))
             ticks.append((y, f"{name}: {lane}" if i == 0 else lane))
     ax.set_yticks([y for y, _ in ticks])
     ax.set_yticklabels([label for _, label in ticks], fontsize=7)
-    ax.set_ylim(0.4, len(drawn) * (len(LANES) + 1) - 0.4)
+    ax.set_ylim(0.4, len(drawn) * (len(LANES) + 1) - 0.4 + 0.4)
     ax.set_xlim(0, end)
     start = f"ProfilerStep#{step}'s start" if step is not None else "each trace's first profiled step"
     ax.set_xlabel(f"ms from {start}; dotted: step boundaries; red: communication no compute hid", fontsize=8)
@@ -264,15 +281,15 @@ def load(path):
         configurator.fail(f"cannot read {path}: {e.strerror}")
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         configurator.fail(f"{path} is not JSON: {e}")
-    if not isinstance(trace, dict) or "traceEvents" not in trace:
-        configurator.fail(f"{path} is not a profiler trace (no traceEvents)")
+    if not isinstance(trace, dict) or "traceEvents" not in trace and "predicted_lanes" not in trace:
+        configurator.fail(f"{path} is not a profiler trace (no traceEvents) nor plan.py's --lanes_json")
     return trace
 
 
 if __name__ == "__main__":
     parser = configurator.ArgumentParser(description=__doc__)
     parser.add_argument("paths", nargs="+", metavar="TRACE",
-                        help="profiler traces (train.py --profile=True writes them)")
+                        help="profiler traces (train.py --profile=True writes them), or plan.py --lanes_json files")
     parser.add_argument("--png", metavar="PATH", default=None, help="draw the profiled steps as lanes into PATH")
     parser.add_argument("--step", metavar="N", type=int, default=None,
                         help="with --png: draw ProfilerStep#N alone (default: every profiled step)")
@@ -283,6 +300,11 @@ if __name__ == "__main__":
         draw(args.paths, args.png, args.step)
     for path in args.paths:
         trace = load(path)
+        for p in trace.get("predicted_lanes", ()):
+            print(f"{path}: {p['backend']} W={p['nproc']} rank {p['rank']}, predicted on {p['device']}: "
+                  f"step {p['step_ms']:8.1f} ms, exposed {sum(b - a for a, b in p['exposed']):7.1f} ms")
+        if "predicted_lanes" in trace:
+            continue
         rows = analyse(trace)
         print(path)
         for r in rows:

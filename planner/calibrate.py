@@ -153,7 +153,8 @@ def figures(recalibrate=False):
 def cpu(world, measured):
     """This CPU as the time model's device for one of `world` ranks. Alone, a rank computes on every
     core; several ranks take a thread each (torchrun's OMP_NUM_THREADS=1), and past the core count
-    they share the cores, so each runs at cores / W of one thread's rates."""
+    they share the cores, so each runs at cores / W of one thread's rates. From W = cores on, gloo's
+    threads have no core of their own: a collective takes the core its rank computes on."""
     cores = measured["cores"]
     rates, bandwidth = measured["all_cores" if world == 1 else "one_thread"]
     share = min(1.0, cores / world)
@@ -161,6 +162,8 @@ def cpu(world, measured):
     gloo = measured["gloo"].get(str(world)) or measured["gloo"][str(max(int(w) for w in measured["gloo"]))]
     latency = {kind: fit[0] for kind, fit in gloo.items()}
     busbw = {kind: fit[1] for kind, fit in gloo.items()}
-    latency["all_reduce"], busbw["all_reduce"] = latency["reduce_scatter"], busbw["reduce_scatter"]
+    # gloo runs a reduce-scatter as an all-reduce of its whole input: the same time, for half the bus bytes
+    latency["all_reduce"], busbw["all_reduce"] = latency["reduce_scatter"], 2 * busbw["reduce_scatter"]
     return timing.Device(f"cpu ({measured['key']})", flops, bandwidth * share, measured["op_seconds"] / share, False,
-                         latency, busbw, f"measured on this CPU at {measured['measured_at']} ({cache_path()})")
+                         latency, busbw, f"measured on this CPU at {measured['measured_at']} ({cache_path()})",
+                         comm_on_compute_core=world >= cores)

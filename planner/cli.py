@@ -17,7 +17,7 @@ from .step import Child, busbw, in_child, largest_batch, plan, second_batch
 
 
 PLAN_FLAGS = {"nproc": "1,2,4,8", "rank": 0, "json": "", "png": "", "gpu": "", "gpu_mem_gib": "", "busbw_gbps": "",
-              "timeline": "", "timeline_json": "", "search": ""}  # plan.py's own settings, beside train.py's
+              "timeline": "", "timeline_json": "", "lanes_json": "", "search": ""}  # plan.py's own settings, beside train.py's
 PLAN_FLAG_HELP = {
     "nproc": "world sizes to plan, comma-separated",
     "rank": "the rank planned (rank 0's shards are the largest; past a world size, rank 0 there)",
@@ -28,6 +28,7 @@ PLAN_FLAG_HELP = {
     "busbw_gbps": "the bus bandwidth the communication time is projected at (default: NCCL's on H100s by W)",
     "timeline": "draw each row's memory through the step to this PNG",
     "timeline_json": "write each row's memory through the step to this JSON file",
+    "lanes_json": "write each timed row's predicted step as lanes to this JSON file (overlap.py --png draws it)",
     "search": "the fastest settings that fit (--search alone: the default grid; or \"KEY=V1,V2 ...\")",
 }
 
@@ -85,7 +86,7 @@ def split_argv(argv):
 def plan_row(settings, backend_name, world, rank, own, limit, drawn, gloo):
     """plan.py's row for one backend and W, whole: the plan (planned in a child) and what it answers,
     the communication time at the bus bandwidth and, given the GPU's memory, the headroom, whether
-    it fits and the largest batch that does. -> (row, its timeline or None)."""
+    it fits and the largest batch that does. -> (row, its timeline or None, its predicted lanes or None)."""
     asked = limit is not None  # (the GPU's memory given: the largest batch too, from a second plan beside)
     second = Child(plan, dict(settings, batch_size=second_batch(settings["batch_size"])), backend_name, world, rank,
                    gloo=gloo, keep_trace=True) if asked else None
@@ -103,7 +104,10 @@ def plan_row(settings, backend_name, world, rank, own, limit, drawn, gloo):
         row["fits"] = row["headroom_bytes"] >= 0
         row["max_batch_size"] = largest_batch(settings, backend_name, world, rank, row, second.result(), room, gloo)
     row.pop("trace", None)
-    return row, timeline
+    lanes = row.pop("predicted_lanes", None)
+    if lanes is not None:
+        lanes = {k: row[k] for k in ("backend", "nproc", "rank", "device", "device_source")} | lanes
+    return row, timeline, lanes
 
 
 def time_device(own, world, gloo):
@@ -126,6 +130,8 @@ def main(argv):
     if not given("dtype"):
         settings["dtype"] = "bfloat16"  # (what train.py takes on the GPUs plans are for)
     gloo = given("device") and settings["device"] == "cpu"  # (a CPU run: its collectives go through gloo)
+    if own["lanes_json"] and not (own["gpu"] or gloo):
+        configurator.fail("--lanes_json is the time model's step: give --gpu, or --device=cpu for this CPU's")
     own["cpu_figures"] = calibrate.figures() if gloo and not own["gpu"] else None  # (once, before the children)
     settings["vocab_size"] = training.vocab_size(settings)
     compiled, settings["compile"] = settings["compile"], False  # (torch.compile's kernels: not planned)
@@ -134,7 +140,7 @@ def main(argv):
         backends = [b for b in backends if b != "ddp"]
     if own["search"]:
         return search_main(own, rest, settings, backends if given_backend else ["custom_fsdp"], limit, gloo)
-    rows, timelines = [], []
+    rows, timelines, predicted = [], [], []
     drawn = bool(own["timeline"] or own["timeline_json"])
     jobs = [(backend_name, world, own["rank"] if own["rank"] < world else 0)
             for backend_name in backends for world in own["nproc"]]
@@ -144,12 +150,14 @@ def main(argv):
         running.append(Child(plan_row, settings, backend_name, world, rank, own, limit, drawn, gloo))
         while running and (len(running) == ROWS_AT_ONCE or index == len(jobs) - 1):
             try:
-                row, timeline = running.pop(0).result()
+                row, timeline, lanes = running.pop(0).result()
             except BackendError as e:
                 configurator.fail(str(e))
             rows.append(row)
             if drawn:
                 timelines.append(timeline)
+            if lanes is not None:
+                predicted.append(lanes)
     print(table(rows, settings, limit, gloo))
     if compiled:
         print("compile=True is planned as eager: the compiled kernels' own buffers are not counted.")
@@ -163,6 +171,10 @@ def main(argv):
         import json
         with open(own["timeline_json"], "w") as f:
             json.dump(timelines, f)
+    if own["lanes_json"]:
+        import json
+        with open(own["lanes_json"], "w") as f:
+            json.dump({"predicted_lanes": predicted}, f)
     if own["timeline"]:
         draw_timelines(timelines, settings, own["timeline"])
 

@@ -76,6 +76,7 @@ def search(settings, backend_name, world, rank, grid, limit, device, gloo, at_on
 
 def _judged(row, run, limit):
     row["settings"] = run
+    row.pop("predicted_lanes", None)
     row["fits"] = limit is None or row["reserved_bytes"] + row["outside_allocator_bytes"] <= limit
     return row
 

@@ -217,13 +217,14 @@ def plan(settings, backend_name, world, rank, timeline=False, gloo=False, keep_t
 
 def step_time(ops, device, settings):
     """The time model's answers for the planned step (timing.py) on `device`."""
-    t = timing.replay(ops, device)
+    bars = []
+    t = timing.replay(ops, device, bars)
     tokens = settings["gradient_accumulation_steps"] * settings["batch_size"] * settings["block_size"]
     peak = timing.peak_flops(device, settings["dtype"])
     return {"device": device.name, "step_seconds": t.seconds, "compute_seconds": t.compute_seconds,
             "comm_busy_seconds": t.comm_seconds, "exposed_comm_seconds": t.exposed_comm_seconds,
             "tokens_per_second": tokens / t.seconds, "mfu": t.flops / t.seconds / peak if peak else None,
-            "device_source": device.source}
+            "device_source": device.source, "predicted_lanes": timing.lanes(bars, t.seconds, device)}
 
 
 def device_side(counter):

@@ -5,7 +5,8 @@ issuing it. Each collective gets its latency plus its bus bytes over the bus ban
 then replayed in order on three clocks: the host, the compute stream and the communication
 stream. An op that reads what a collective writes waits for that collective: the schedule's real
 dependencies, FSDP's waits included. On a GPU the host runs ahead of the device; on a CPU the host
-computes, so its clock is the compute clock.
+computes, so its clock is the compute clock. A CPU rank with one core or less does gloo's work on
+the core it computes on: there each collective stops compute for its whole length.
 
 Left out: kernels' overlap with one another, caches, the CPU's turbo and its other processes,
 NCCL's channels competing with compute for the GPU's memory, and DDP's buckets overlapping
@@ -79,6 +80,7 @@ class Device(NamedTuple):
     comm_latency: dict  # (kind, W) -> seconds, or kind -> seconds
     comm_busbw: dict  # (kind, W) -> bytes/s, or kind -> bytes/s
     source: str
+    comm_on_compute_core: bool = False  # a CPU rank with a core or less: gloo's work takes the core it computes on
 
     def flops_per_second(self, dtype):
         return self.matmul_flops.get(dtype, self.matmul_flops[torch.float32])
@@ -98,8 +100,10 @@ class StepTime(NamedTuple):
     flops: int  # the step's FLOPs, as counted
 
 
-def replay(ops, device):
-    """The step's time: `ops` in order on the host, compute and communication clocks."""
+def replay(ops, device, bars=None):
+    """The step's time: `ops` in order on the host, compute and communication clocks. Given a list
+    `bars`, each op's interval is appended to it as (lane, start, end, where): lane "compute", the
+    collective's kind, or "exposed" where compute waits on a collective."""
     host = compute = comm = busy = comm_busy = exposed = 0.0
     written_at = {}  # storage key -> when the collective writing it ends
     flops = 0
@@ -109,21 +113,58 @@ def replay(ops, device):
             start = max(comm, compute if device.host_runs_ahead else host)  # (its input is the compute's)
             comm = start + device.collective_seconds(op)
             comm_busy += comm - start
+            if device.comm_on_compute_core:  # (no compute beside it: the core is the collective's)
+                exposed += comm - start
+                host = compute = comm
+                if bars is not None:
+                    bars.append(("exposed", start, comm, op.where))
             for key in op.writes:
                 written_at[key] = comm
+            if bars is not None:
+                bars.append((op.kind, start, comm, op.where))
             continue
         start = max(compute, host) if device.host_runs_ahead else host
         ready = max((written_at.pop(key) for key in op.reads if key in written_at), default=0.0)
         if ready > start:
             exposed += ready - start
+            if bars is not None:
+                bars.append(("exposed", start, ready, op.where))
             start = ready
         seconds = max(op.flops / device.flops_per_second(op.dtype), op.nbytes / device.bandwidth)
         compute = start + seconds
         busy += seconds
         flops += op.flops
+        if bars is not None:
+            bars.append(("compute", start, compute, op.where))
         if not device.host_runs_ahead or op.sync:
             host = max(host, compute)
     return StepTime(max(host, compute, comm), busy, comm_busy, exposed, flops)
+
+
+# overlap.py's lanes (on gloo a reduce-scatter runs as an all-reduce: one lane for both)
+LANE_OF = {"compute": "compute", "all_gather": "all-gather", "reduce_scatter": "reduce-scatter / all-reduce",
+           "all_reduce": "reduce-scatter / all-reduce"}
+
+
+def lanes(bars, seconds, device):
+    """The replayed step as overlap.py draws a profiled one, in ms from its start: each lane's
+    intervals (compute's merged across the host's gap between two ops), the exposed ones, and where
+    each phase begins ("forward 0", "backward 0", "optimizer", ...: the plan's marks; the batch's
+    few ops before the first forward are no phase)."""
+    out = {lane: [] for lane in dict.fromkeys(LANE_OF.values())}
+    exposed, phases, gap = [], [], device.op_seconds * 1e3 * 1.01
+    for lane, start, end, where in bars:
+        a, b = start * 1e3, end * 1e3
+        phase = where.split(" @ ")[0].split(" ", 2)[-1]  # ("step 2 forward 0 @ h.3": "forward 0")
+        if lane != "exposed" and phase != "between steps" and (not phases or phases[-1][1] != phase):
+            phases.append([a, phase])
+        if lane == "exposed":
+            exposed.append([a, b])
+        elif lane == "compute" and out["compute"] and a - out["compute"][-1][1] <= gap:
+            out["compute"][-1][1] = max(out["compute"][-1][1], b)
+        elif lane in LANE_OF:
+            out[LANE_OF[lane]].append([a, b, ""])
+    return {"step_ms": seconds * 1e3, "lanes": out, "exposed": exposed, "phases": phases}
 
 
 # Published peaks (dense, per GPU) and the fraction of them that large kernels reach, the latter

@@ -39,6 +39,28 @@ def test_a_collective_hidden_under_independent_compute_costs_nothing():
     assert t.exposed_comm_seconds == 0 and abs(t.seconds - (5e-3 + 1e-6)) < 1e-12
 
 
+def test_a_cpu_rank_without_a_spare_core_computes_nothing_beside_its_collectives():
+    """At W >= cores gloo's threads run on the core the rank computes on: the gather that independent
+    compute hid above now adds its whole length, and counts as exposed."""
+    ops = [gather(2e6, frozenset({1})), compute(nbytes=5e6), compute(flops=1e3, reads=frozenset({1}))]
+    t = timing.replay(ops, device(host_runs_ahead=False)._replace(comm_on_compute_core=True))
+    assert abs(t.seconds - (2e-3 + 5e-3 + 1e-6)) < 1e-12 and abs(t.exposed_comm_seconds - 2e-3) < 1e-12
+
+
+def test_the_replay_draws_as_lanes_with_phases():
+    """timing.lanes: what overlap.py draws of a predicted step; compute merged across the host's gap."""
+    ops = [gather(2e6, frozenset({1}))._replace(where="step 2 forward 0 @ h.0"),
+           *[compute(flops=1e6)._replace(where="step 2 forward 0 @ h.0") for _ in range(2)],
+           compute(flops=1e6, reads=frozenset({1}))._replace(where="step 2 backward 0 @ h.0")]
+    bars = []
+    d = device(host_runs_ahead=False, op_seconds=1e-4)
+    t = timing.replay(ops, d, bars)
+    drawn = timing.lanes(bars, t.seconds, d)
+    assert [phase for _, phase in drawn["phases"]] == ["forward 0", "backward 0"]
+    assert len(drawn["lanes"]["compute"]) == 1 and len(drawn["lanes"]["all-gather"]) == 1
+    assert abs(drawn["step_ms"] - t.seconds * 1e3) < 1e-12 and drawn["exposed"] == []
+
+
 def test_a_gpu_is_host_bound_when_its_ops_are_short_and_waits_only_at_a_sync():
     short = [compute(flops=1e3) for _ in range(10)]  # 1 µs each on the device, 10 µs each to issue
     t = timing.replay(short, device(host_runs_ahead=True, op_seconds=10e-6))
@@ -60,13 +82,15 @@ def test_aten_ops_get_torchs_flops_and_the_bytes_they_move():
 
 def test_plan_times_each_row_on_the_gpu_it_is_asked_for(tmp_path):
     """--gpu=h100: every row is timed; tokens/s is the global batch over the step, the MFU below 1,
-    and one rank's step has no communication to expose."""
+    and one rank's step has no communication to expose. --lanes_json: each row's predicted step,
+    which overlap.py draws as a group of lanes."""
     import pickle
     (tmp_path / "meta.pkl").write_bytes(pickle.dumps({"vocab_size": 65}))
     out = tmp_path / "plan.json"
     res = launch([sys.executable, REPO / "plan.py", "--dist_backend=custom_fsdp", "--nproc=1,2", "--gpu=h100",
                   "--n_layer=2", "--n_embd=64", "--n_head=4", "--batch_size=4", "--block_size=32",
-                  f"--data_dir={tmp_path}", f"--json={out}"], timeout=180, fork=False)
+                  f"--data_dir={tmp_path}", f"--json={out}", f"--lanes_json={tmp_path / 'lanes.json'}"],
+                 timeout=180, fork=False)
     assert res.returncode == 0, res.describe()
     rows = json.loads(out.read_text())
     for r in rows:
@@ -75,6 +99,16 @@ def test_plan_times_each_row_on_the_gpu_it_is_asked_for(tmp_path):
         assert 0 < r["mfu"] < 1 and r["step_seconds"] >= r["compute_seconds"]
     assert rows[0]["exposed_comm_seconds"] == 0 and rows[1]["comm_busy_seconds"] > 0
     assert "step ms" in res.stdout and max(len(line) for line in res.stdout.splitlines()) <= 120
+    import overlap
+    groups = overlap.groups(str(tmp_path / "lanes.json"))
+    assert [name for name, _ in groups] == ["custom_fsdp W=1 rank 0, predicted", "custom_fsdp W=2 rank 0, predicted"]
+    for row, (_, (steps, by_lane, exposed, phases)) in zip(rows, groups):
+        assert abs(steps[0][1] - row["step_seconds"] * 1e3) < 1e-9 and by_lane["compute"]
+        names = [p for _, p in phases]
+        assert names[:2] == ["forward 0", "backward 0"] and names[-3:] == ["clip", "optimizer", "zero_grad"], phases
+    assert not groups[0][1][1]["all-gather"] and groups[1][1][1]["all-gather"]
+    overlap.draw([str(tmp_path / "lanes.json")], str(tmp_path / "lanes.png"))
+    assert (tmp_path / "lanes.png").stat().st_size > 0
 
 
 def test_search_ranks_the_settings_that_fit_by_time_and_prints_the_best_command(tmp_path):
