@@ -230,7 +230,7 @@ def groups(path, step=None):
     return [(f"{os.path.basename(os.path.dirname(path))} {stem}, profiled", lanes(data, step) + ([],))]
 
 
-def draw(paths, png, step=None):
+def draw(paths, png, step=None, title=None):
     """The lanes of each file in `paths` (profiled traces, plan.py's predicted steps), one group
     under another, on one time axis, into `png` (with `step`: that profiled step alone)."""
     import matplotlib
@@ -267,6 +267,8 @@ def draw(paths, png, step=None):
     start = f"ProfilerStep#{step}'s start" if step is not None else "each trace's first profiled step"
     ax.set_xlabel(f"ms from {start}; dotted: step boundaries; red: communication no compute hid", fontsize=8)
     ax.tick_params(axis="x", labelsize=7)
+    if title:
+        ax.set_title(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(png, dpi=110)
     plt.close(fig)

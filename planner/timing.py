@@ -12,6 +12,9 @@ Left out: kernels' overlap with one another, caches, the CPU's turbo and its oth
 NCCL's channels competing with compute for the GPU's memory, and DDP's buckets overlapping
 backward (its all-reduces are issued at the step's last backward op).
 """
+import glob
+import json
+import os
 from typing import NamedTuple
 
 import torch
@@ -167,26 +170,53 @@ def lanes(bars, seconds, device):
     return {"step_ms": seconds * 1e3, "lanes": out, "exposed": exposed, "phases": phases}
 
 
-# Published peaks (dense, per GPU) and the fraction of them that large kernels reach, the latter
-# assumed until scripts/plan_check.py measures them on a lent GPU: matmuls at 60% of the tensor-core
-# peak (cuBLAS on large GEMMs), memory-bound kernels at 80% of HBM's bandwidth, 10 µs of host time
-# per op (eager PyTorch's dispatch and launch), NCCL at 20 µs latency.
+# Published peaks (dense, per GPU) and the fraction of them that large kernels reach. The fractions
+# are scripts/plan_check.py's, measured on a lent GPU, where results/ holds them; else assumed:
+# matmuls at 60% of the tensor-core peak (cuBLAS on large GEMMs), memory-bound kernels at 80% of
+# HBM's bandwidth, 10 µs of host time per op (eager PyTorch's dispatch and launch). NCCL at 20 µs.
 GPU_PEAKS = {  # name: (bf16 FLOP/s, tf32 FLOP/s, HBM bytes/s, source)
     "a100": (312e12, 156e12, 2.039e12, "NVIDIA A100 80GB SXM datasheet"),
     "h100": (989e12, 494e12, 3.35e12, "NVIDIA H100 SXM datasheet"),
     "h200": (989e12, 494e12, 4.8e12, "NVIDIA H200 SXM datasheet"),
 }
 MATMUL_EFFICIENCY, MEMORY_EFFICIENCY, GPU_OP_SECONDS, NCCL_LATENCY = 0.6, 0.8, 10e-6, 20e-6
+RESULTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "results")
+
+
+def measured_on_gpu(name):
+    """The newest "time_model" figures that scripts/plan_check.py measured on GPU `name`, in
+    results/*.json -> (figures, the file's path), or None."""
+    found = []
+    for path in sorted(glob.glob(os.path.join(RESULTS, "*.json"))):
+        try:
+            with open(path) as f:
+                data = json.load(f)
+        except (OSError, ValueError):
+            continue
+        figures = data.get("time_model") if isinstance(data, dict) else None
+        if isinstance(figures, dict) and figures.get("gpu") == name:
+            found.append((str(data.get("date", "")), path, figures))
+    if not found:
+        return None
+    _, path, figures = max(found)
+    return figures, path
 
 
 def gpu(name, busbw_bytes):
     bf16, tf32, hbm, source = GPU_PEAKS[name]
-    flops = {torch.bfloat16: bf16 * MATMUL_EFFICIENCY, torch.float16: bf16 * MATMUL_EFFICIENCY,
-             torch.float32: tf32 * MATMUL_EFFICIENCY}
+    measured = measured_on_gpu(name)
+    if measured is None:
+        matmul, memory, op_seconds, how = MATMUL_EFFICIENCY, MEMORY_EFFICIENCY, GPU_OP_SECONDS, "assumed"
+    else:
+        figures, path = measured
+        matmul, memory, op_seconds = figures["matmul_efficiency"], figures["memory_efficiency"], figures["op_seconds"]
+        how = f"as scripts/plan_check.py measured them, {os.path.relpath(path, os.path.dirname(RESULTS))}"
+    flops = {torch.bfloat16: bf16 * matmul, torch.float16: bf16 * matmul, torch.float32: tf32 * matmul}
     kinds = ("all_gather", "reduce_scatter", "all_reduce", "broadcast")
-    return Device(name, flops, hbm * MEMORY_EFFICIENCY, GPU_OP_SECONDS, True,
+    return Device(name, flops, hbm * memory, op_seconds, True,
                   dict.fromkeys(kinds, NCCL_LATENCY), dict.fromkeys(kinds, busbw_bytes),
-                  f"{source}; matmuls at {MATMUL_EFFICIENCY:.0%}, memory at {MEMORY_EFFICIENCY:.0%} (assumed)")
+                  f"{source}; matmuls at {matmul:.0%}, memory at {memory:.0%}, {op_seconds * 1e6:.0f} µs per op "
+                  f"({how})")
 
 
 def peak_flops(device, dtype):

@@ -4,12 +4,15 @@ Every figure and table of docs/LEARN.md, made from this project's own plans and 
     python scripts/figures.py                 # everything, into docs/figures/, results/ and docs/LEARN.md
     python scripts/figures.py --small         # each kind once, on tiny models (the tests run this)
     python scripts/figures.py --render        # only the tables, from results/learn/*.json
+    python scripts/figures.py --only=time_model   # some parts alone (the others' figures stay)
 
 Figures: a rank's memory over two planned steps (plan.py --timeline), and profiled steps as lanes
 (overlap.py --png), custom_fsdp above FSDP2, one per schedule. Tables, each from a JSON file in
 results/learn/: memory per rank by W and its roles (plan.py), the step's communication against its
 formula (plan.py), collectives alone (scripts/collectives.py), step time and exposed communication
-(bench.py), weak scaling (plan.py and bench.py). Each figure's commands go to commands.md beside it.
+(bench.py), weak scaling (plan.py and bench.py). The time model: plan.py's predicted step drawn
+under a profiled one, and bench.py --predict's results (results/cpu-*-time-model.json) as predicted
+against measured. Each figure's commands go to commands.md beside it.
 Traces need data: --data_dir (data/shakespeare_char by default, which its prepare.py writes).
 """
 import argparse
@@ -21,6 +24,7 @@ import shlex
 import shutil
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -164,13 +168,20 @@ class Figures:
             json.dump(about | {"learn": name, "rows": rows}, f, indent=1)
 
     def write_commands(self):
+        """commands.md: each figure's commands; a figure this run did not make keeps its section."""
+        path = os.path.join(self.figures_dir, "commands.md")
+        kept = {}
+        if os.path.exists(path):
+            for section in open(path).read().split("\n## ")[1:]:
+                name, _, body = section.partition("\n")
+                kept[name] = [line for line in body.splitlines() if line and line != "```"]
         lines = ["# The commands behind each figure", "",
                  "Made by `python scripts/figures.py`, which runs them from the repository's root.",
                  "A memory figure draws its commands' `--timeline_json` files, a panel per backend planned.",
                  "Where one command plans every backend, its `--timeline=PNG` draws the same figure.", ""]
-        for name, commands in self.commands.items():
+        for name, commands in (kept | self.commands).items():
             lines += [f"## {name}", "", "```", *commands, "```", ""]
-        with open(os.path.join(self.figures_dir, "commands.md"), "w") as f:
+        with open(path, "w") as f:
             f.write("\n".join(lines))
 
 
@@ -356,10 +367,138 @@ def render_weak_scaling(result):
     return lines
 
 
+# ---- the time model: plan.py's predicted step against measured ones -------------------------------
+# bench.py --predict's results, each setting predicted and measured in one run (results/, kept data)
+TIME_MODEL_RESULTS = ("cpu-w2-time-model", "cpu-w4-time-model", "cpu-w2-comm-bound-time-model")
+
+
+def time_model(fig):
+    """The step plan.py predicts drawn under a profiled one of the same run (the traces' model,
+    ZeRO-3, W=2), and the predicted against the measured steps of TIME_MODEL_RESULTS."""
+    model = TINY_TRACE_MODEL if fig.small else TRACE_MODEL
+    settings = [f"--data_dir={fig.data_dir}", "--dist_backend=custom_fsdp", *model, "--wrap_policy=block",
+                "--gradient_accumulation_steps=2", "--dtype=float32"]
+    out, lanes = os.path.join(fig.work, "trace-predicted"), os.path.join(fig.work, "predicted.json")
+    fig.run(["trace-predicted"], ["train.py", "--device=cpu", f"--out_dir={out}", *settings, "--max_iters=3",
+                                  "--eval_iters=0", "--eval_interval=1000", "--keep_checkpoints=0", "--profile=True"],
+            torchrun=2)
+    fig.run(["trace-predicted"], ["plan.py", "--device=cpu", *settings, "--nproc=2", f"--lanes_json={lanes}"])
+    trace, png = os.path.join(out, "traces", "custom_fsdp", "rank0.json"), fig.figure("trace-predicted")
+    overlap.draw([trace, lanes], png, step=2, title="custom_fsdp at W=2 on 2 CPU cores, ZeRO-3: a profiled step "
+                                                    "(top) and plan.py's prediction of the same settings (bottom)")
+    fig.commands["trace-predicted"].append(fig.shown(f"python overlap.py {shlex.join([trace, lanes])} "
+                                                     f"--png={png} --step=2"))
+    results = [time_model_result(name) for name in TIME_MODEL_RESULTS]
+    draw_time_model(results, fig.figure("time-model"))
+    fig.commands["time-model"] = [r["command"] for r in results]
+
+
+def time_model_result(name):
+    with open(os.path.join(HERE, "results", f"{name}.json")) as f:
+        return json.load(f)
+
+
+SHORT = {"reshard_after_forward=False": "ZeRO-2", "activation_checkpointing=True": "AC",
+         "wrap_policy=model": "one unit", "prefetch=False": "no prefetch"}
+
+
+def short_setting(row):
+    """A bench row's settings in a few letters ("ZeRO-2+AC"); the backend alone where it has none."""
+    backend, _, rest = row.partition(":")
+    if not rest:
+        return "ddp" if backend == "ddp" else "default"
+    return "+".join(SHORT.get(kv, kv.replace("gradient_accumulation_steps=", "accumulation "))
+                    for kv in rest.split(":"))
+
+
+def draw_time_model(results, png):
+    """Left: each result's rows, predicted against measured, on log axes, with the 15% band around
+    equality. Right: each row's error by name, where the left's clusters hide them."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, (ax, bars) = plt.subplots(1, 2, figsize=(12, 6.5), gridspec_kw={"width_ratios": [1.1, 1]})
+    styles = [("#4c72b0", "o"), ("#dd8452", "s"), ("#55a868", "^")]
+    points, names, errors, colours = [], [], [], []
+    for (colour, marker), r in zip(styles, results):
+        rows = r["backends"]
+        comm_bound = "n_embd=768" in r["command"]
+        label = f"W={r['nproc']}, " + ("57M parameters, 512 tokens a step" if comm_bound else "3.2M parameters")
+        xs, ys = [row["step_ms"] for row in rows.values()], [row["predicted_step_ms"] for row in rows.values()]
+        ax.scatter(xs, ys, color=colour, marker=marker, label=label, zorder=3)
+        points += xs + ys
+        for name, x, y in zip(rows, xs, ys):
+            names.append(f"{short_setting(name)}, W={r['nproc']}" + (", 57M" if comm_bound else ""))
+            errors.append(100 * (y / x - 1))
+            colours.append(colour)
+    lo, hi = min(points) / 1.2, max(points) * 1.2
+    ax.plot([lo, hi], [lo, hi], color="#444444", linewidth=0.8, label="predicted = measured")
+    ax.fill_between([lo, hi], [lo * 0.85, hi * 0.85], [lo * 1.15, hi * 1.15], color="#999999", alpha=0.2,
+                    linewidth=0, label="within 15%")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlim(lo, hi)
+    ax.set_ylim(lo, hi)
+    repeats = "/".join(sorted({str(r["repeats"]) for r in results}))
+    ax.set_xlabel(f"measured step, ms (bench.py: median of {repeats} repeats, unprofiled)", fontsize=8)
+    ax.set_ylabel("predicted step, ms (plan.py's time model)", fontsize=8)
+    ax.set_title("(a) predicted against measured", fontsize=9)
+    ax.tick_params(labelsize=7)
+    ax.legend(fontsize=7, loc="upper left")
+    y = list(range(len(names)))[::-1]
+    bars.barh(y, errors, color=colours, height=0.7)
+    bars.axvline(0, color="#444444", linewidth=0.8)
+    for edge in (-15, 15):
+        bars.axvline(edge, color="#999999", linewidth=0.8, linestyle="--")
+    bars.set_yticks(y)
+    bars.set_yticklabels(names, fontsize=7)
+    bars.set_xlabel("error of the prediction, % of the measured step (dashed: the 15% target)", fontsize=8)
+    bars.set_title("(b) each setting's error", fontsize=9)
+    bars.tick_params(axis="x", labelsize=7)
+    fig.suptitle(f"plan.py's time model against bench.py: custom_fsdp (and one ddp row) on gloo, {results[0]['device']}",
+                 fontsize=10)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+
+
+def render_time_model(_):
+    """The scatter, a line per result (its largest error, its repeats' largest spread, which is the
+    measurement's own noise, and the rank correlation), then the predicted step under a profiled one."""
+    import bench
+    lines = ["![time-model](figures/time-model.png)", "",
+             "| run | W | rows | repeats | largest error | largest spread of repeats | Spearman's rank correlation |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
+    for name in TIME_MODEL_RESULTS:
+        r = time_model_result(name)
+        rows = r["backends"]
+        errors = [row["predicted_step_ms"] / row["step_ms"] - 1 for row in rows.values()]
+        spread = max((max(v) - min(v)) / statistics.median(v) for v in r["step_ms_per_repeat"].values())
+        rho = bench.spearman([row["predicted_step_ms"] for row in rows.values()],
+                             [row["step_ms"] for row in rows.values()]) if len(rows) > 2 else None
+        lines.append(f"| `results/{name}.json` | {r['nproc']} | {len(rows)} | {r['repeats']} | "
+                     f"{max(errors, key=abs):+.1%} | {spread:.0%} | {'-' if rho is None else f'{rho:.2f}'} |")
+    r = time_model_result(TIME_MODEL_RESULTS[0])
+    lines += ["", f"{r['device']}, {r['torch']}, commit {r['commit']}; the commands are in "
+                  "[commands.md](figures/commands.md#time-model).", "",
+              "![trace-predicted](figures/trace-predicted.png)", "",
+              "Top, one profiled step of custom_fsdp at W=2 (the traces' model, ZeRO-3). Bottom, the step plan.py "
+              "predicts for the same settings, its phases marked.",
+              "In both, each reduce-scatter stops compute: with a core per rank, gloo's threads take the core "
+              "the rank computes on.",
+              "In the real backward the all-gathers run longer than the calibration's, sharing the core with "
+              "compute, and still hide.",
+              "The profiler records every thread and slows the real step; the scatter's measured steps are "
+              "unprofiled."]
+    return lines
+
+
 RENDER = {"memory-by-w": render_memory_by_w, "comm-formula": render_comm_formula, "trace-figures": render_traces,
-          "collectives": render_collectives, "step-time": render_step_time, "weak-scaling": render_weak_scaling}
+          "collectives": render_collectives, "step-time": render_step_time, "weak-scaling": render_weak_scaling,
+          "time-model": render_time_model}
 SOURCES = {"memory-by-w": "memory-by-w", "comm-formula": "memory-by-w", "trace-figures": None,
-           "collectives": "collectives", "step-time": "step-time", "weak-scaling": "weak-scaling"}
+           "collectives": "collectives", "step-time": "step-time", "weak-scaling": "weak-scaling",
+           "time-model": None}
 
 
 def render(doc, results_dir, missing_ok=False):
@@ -392,6 +531,8 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--small", action="store_true", help="each kind of figure once, on tiny models")
     p.add_argument("--render", action="store_true", help="only fill the tables, from the results' JSON")
+    p.add_argument("--only", default="", help="these parts alone, comma-separated: memory, traces, collectives, "
+                                              "step_time, weak_scaling, time_model")
     p.add_argument("--figures_dir", default=os.path.join(HERE, "docs", "figures"))
     p.add_argument("--results_dir", default=os.path.join(HERE, "results", "learn"),
                    help="the tables' JSON (not results/*.json, which IMPLEMENTATION.md renders)")
@@ -410,8 +551,9 @@ def main():
             p.error(f"--data_dir={args.data_dir} has no train.bin: run python data/shakespeare_char/prepare.py")
         fig = Figures(args.figures_dir, args.results_dir, args.small, args.data_dir)
         try:
-            for part in (memory, traces, collectives) if args.small else (memory, traces, collectives, step_time,
-                                                                          weak_scaling):
+            parts = (memory, traces, collectives, time_model) if args.small else (
+                memory, traces, collectives, step_time, weak_scaling, time_model)
+            for part in [p for p in parts if not args.only or p.__name__ in args.only.split(",")]:
                 started = time.time()
                 print(f"{part.__name__} ...", end=" ", flush=True)
                 part(fig)

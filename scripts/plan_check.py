@@ -9,7 +9,9 @@ plans the same run for every rank; the largest planned figures stand beside the 
                                  [--nproc=1,2] [--repeats=3] [--timeout=300] [train.py's config files and --key=value ...]
 
 It also measures the per-process memory plan.py names but cannot count: the CUDA context and
-cuBLAS's workspace (one fresh process), and NCCL's buffers (two fake hosts, over sockets). Each run
+cuBLAS's workspace (one fresh process), and NCCL's buffers (two fake hosts, over sockets). And the
+time model's GPU figures: a large matmul's rate, a copy's bandwidth and the host's time per op,
+as fractions of the datasheet's peaks in "time_model", which plan.py's --gpu then uses. Each run
 is one line on stdout as it ends. On CPU it runs all of it; the measured figures are then absent.
 """
 import json
@@ -26,6 +28,7 @@ import configurator  # noqa: E402
 import fakehosts  # noqa: E402
 import planner  # noqa: E402
 import training  # noqa: E402
+from planner import timing  # noqa: E402
 from backends import BACKENDS  # noqa: E402
 
 MiB = 2**20
@@ -60,6 +63,45 @@ def probe():
     # alone on the GPU, all it uses is ours; with cuBLAS's kernels loaded, as a training step has them
     context = total - free - torch.cuda.memory_reserved()
     return dict(zip(keys, (context, cublas, cublaslt, autograd)))
+
+
+def probe_speed():
+    """The time model's GPU figures on this GPU (None without CUDA): a large bfloat16 matmul's FLOP/s,
+    a 1 GiB copy's bytes read and written per second, and the host's time to issue a tiny op."""
+    import time
+    import torch
+    keys = ("matmul_bf16_flops", "memory_bytes_per_second", "op_seconds")
+    if not torch.cuda.is_available():
+        return dict.fromkeys(keys)
+
+    def seconds(fn, repeats):
+        fn()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(repeats):
+            fn()
+        torch.cuda.synchronize()
+        return (time.perf_counter() - start) / repeats
+    n = 8192
+    a, b = (torch.randn(n, n, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    matmul = 2 * n**3 / seconds(lambda: a @ b, 20)
+    src = torch.ones(2**28, device="cuda")  # 1 GiB of float32
+    dst = torch.empty_like(src)
+    memory = 2 * src.numel() * 4 / seconds(lambda: dst.copy_(src), 20)
+    x = torch.ones(1, device="cuda")
+    issue = seconds(lambda: [x.add_(1) for _ in range(1000)], 3) / 1000  # (the kernels finish long before)
+    return dict(zip(keys, (matmul, memory, issue)))
+
+
+def time_model_figures(speed, device):
+    """plan.py's GPU efficiencies from probe_speed's figures, for the GPU timing.GPU_PEAKS names in
+    `device`; None where none is named or nothing was measured."""
+    name = next((g for g in timing.GPU_PEAKS if g in device.lower()), None)
+    if name is None or speed["matmul_bf16_flops"] is None:
+        return None
+    bf16, _, hbm, _ = timing.GPU_PEAKS[name]
+    return {"gpu": name, "matmul_efficiency": speed["matmul_bf16_flops"] / bf16,
+            "memory_efficiency": speed["memory_bytes_per_second"] / hbm, "op_seconds": speed["op_seconds"]}
 
 
 def probe_nccl():
@@ -163,6 +205,9 @@ def main(argv):
     result["constants"] |= json.loads(lines[-1]) if lines else {"nccl_bytes_per_rank": None}
     result["plan_assumes"] = {k: getattr(planner, k) for k in ("CUBLAS_WORKSPACES", "CUBLAS_WORKSPACE_BYTES",
                                                             "CUDA_CONTEXT_BYTES", "NCCL_COMMUNICATOR_BYTES")}
+    result["time_model"] = time_model_figures(result["constants"], result["device"])  # (timing.gpu reads it)
+    result["plan_assumes"] |= {"matmul_efficiency": timing.MATMUL_EFFICIENCY,
+                               "memory_efficiency": timing.MEMORY_EFFICIENCY, "op_seconds": timing.GPU_OP_SECONDS}
     print(f"measured: {result['constants']}; plan.py assumes {result['plan_assumes']}", flush=True)
     Path(a.json).parent.mkdir(parents=True, exist_ok=True)
     with open(Path(a.json).with_suffix(".log"), "w") as log:
@@ -180,7 +225,7 @@ def main(argv):
 
 if __name__ == "__main__":
     if sys.argv[1:] == ["--probe"]:
-        print(json.dumps(probe()))
+        print(json.dumps(probe() | probe_speed()))
     elif sys.argv[1:] == ["--probe_nccl"]:
         probe_nccl()
     else:

@@ -319,6 +319,7 @@ def test_plan_check_sets_train_py_beside_the_plan(char_data, tmp_path):
     result = json.loads(out.read_text())
     assert {"command", "device", "torch", "commit", "date", "constants", "plan_assumes"} <= set(result)
     assert result["plan_assumes"]["CUDA_CONTEXT_BYTES"] == planner.CUDA_CONTEXT_BYTES
+    assert result["time_model"] is None and result["constants"]["matmul_bf16_flops"] is None  # (no GPU measured)
     (row,) = result["plan_check"]
     assert (row["backend"], row["nproc"]) == ("custom_fsdp", 2)
     assert row["planned_reserved_bytes"] >= row["planned_allocated_bytes"] > row["planned_cpu_peak_bytes"] > 0

@@ -70,6 +70,29 @@ def test_a_gpu_is_host_bound_when_its_ops_are_short_and_waits_only_at_a_sync():
     assert abs(t.seconds - (10e-6 + 3e-3)) < 1e-9
 
 
+def test_a_gpus_figures_are_plan_checks_measured_ones_where_results_hold_them(tmp_path, monkeypatch):
+    """timing.gpu takes the newest "time_model" figures scripts/plan_check.py wrote for that GPU into
+    results/, and names the file; another GPU's, or none, leaves the assumed efficiencies."""
+    import sys
+    sys.path.insert(0, str(REPO / "scripts"))
+    import plan_check
+    monkeypatch.setattr(timing, "RESULTS", str(tmp_path))
+    assumed = timing.gpu("h100", 1e11)
+    assert "(assumed)" in assumed.source and assumed.bandwidth == 3.35e12 * timing.MEMORY_EFFICIENCY
+    speed = {"matmul_bf16_flops": 0.5 * 989e12, "memory_bytes_per_second": 0.9 * 3.35e12, "op_seconds": 5e-6}
+    figures = plan_check.time_model_figures(speed, "cuda: NVIDIA H100 80GB HBM3")
+    assert figures["gpu"] == "h100" and abs(figures["matmul_efficiency"] - 0.5) < 1e-12
+    for name, date, gpu in (("old", "2026-01-01", "h100"), ("new", "2026-06-01", "h100"), ("other", "2026-09-01", "a100")):
+        matmul = {"old": 0.3, "new": 0.5, "other": 0.7}[name]
+        (tmp_path / f"{name}.json").write_text(json.dumps({"date": date, "time_model": dict(
+            figures, gpu=gpu, matmul_efficiency=matmul)}))
+    (tmp_path / "bench.json").write_text(json.dumps({"date": "2026-12-01", "backends": {}}))
+    measured = timing.gpu("h100", 1e11)
+    assert measured.flops_per_second(torch.bfloat16) == 989e12 * 0.5 and measured.op_seconds == 5e-6
+    assert "new.json" in measured.source and "plan_check.py measured" in measured.source
+    assert plan_check.time_model_figures(dict.fromkeys(speed), "cuda: NVIDIA H100") is None
+
+
 def test_aten_ops_get_torchs_flops_and_the_bytes_they_move():
     a, b = torch.ones(8, 16), torch.ones(16, 4)
     mm = timing.compute_op(torch.ops.aten.mm.default, (a, b), {}, a @ b, "")
