@@ -5,7 +5,7 @@ import pytest
 
 import metrics
 from conftest import clone_checkpoint, losses, one_error_line, run_train
-from test_train import CONFIG_B, assert_bitwise, assert_close, only, train_ok
+from test_train import CONFIG_B, CROSS_RESUME, assert_bitwise, assert_close, only, train_ok
 
 FLOAT8 = ["--float8=True"]
 # float8 against float32 matmuls on the tiny model: losses 4.16..4.18, apart by at most 2e-4 over
@@ -38,13 +38,16 @@ def test_custom_fsdp_trains_float8_to_fsdp2s_bits_and_bytes(float8_runs):
 
 def test_a_float8_checkpoint_resumes_under_ddp_and_in_plain_precision(float8_runs, tiny_args, tmp_path):
     """custom_fsdp's float8 checkpoint (plain tensors inside, no torchao class) resumes under DDP in
-    float8 to its bits, and under FSDP2 in plain precision, which gathers the Linear weights in four
-    bytes, not one: those weights are 24,576 of the 27,712 elements gathered, so float8 gathers
-    about a third of the bytes."""
+    float8, as closely as any cross-backend resume (test_train's CROSS_RESUME: W=1 sums the
+    micro-steps' losses in another order than W=2's all-reduce, so on some CPUs the logged loss
+    rounds one float32 ulp apart, 4.8e-7 at 4.2). And under FSDP2 in plain precision, which gathers
+    the Linear weights in four bytes, not one: those weights are 24,576 of the 27,712 elements
+    gathered, so float8 gathers about a third of the bytes."""
     writer = float8_runs["custom_fsdp"]
     ddp = clone_checkpoint(writer, 4, tmp_path / "ddp")
     train_ok(ddp, None, *tiny_args, *CONFIG_B, *FLOAT8, "--dist_backend=ddp", "--init_from=resume")
-    assert_bitwise(losses(ddp), only(losses(writer), range(4, 8)), "float8 custom_fsdp W=2 -> float8 ddp W=1")
+    assert_close(losses(ddp), only(losses(writer), range(4, 8)), CROSS_RESUME,
+                 "float8 custom_fsdp W=2 -> float8 ddp W=1")
     plain = clone_checkpoint(writer, 4, tmp_path / "plain")
     train_ok(plain, 2, *tiny_args, *CONFIG_B, "--dist_backend=fsdp", "--init_from=resume")
     assert_close(losses(plain), only(losses(writer), range(4, 8)), FLOAT8_VS_PLAIN, "float8 -> plain fsdp")
