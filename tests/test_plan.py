@@ -338,7 +338,8 @@ def test_plan_check_sets_train_py_beside_the_plan(char_data, tmp_path):
                                         (["--json", "plan.json"], "--json=VALUE"),
                                         (["--search", "--nproc=1,2", "--gpu=h100"], "one world size"),
                                         (["--search", "--nproc=2"], "--gpu=h100"),
-                                        (["--search=micro_batch=triple", "--nproc=2", "--gpu=h100"], "micro_batch")])
+                                        (["--search=micro_batch=triple", "--nproc=2", "--gpu=h100"], "micro_batch"),
+                                        (["--search=reshard_after_forward=1", "--nproc=2", "--gpu=h100"], "group size")])
 def test_bad_input_is_one_line(args, names):
     res = new_interpreter([sys.executable, REPO / "plan.py", *args], timeout=60)
     assert names in one_error_line(res)

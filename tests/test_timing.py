@@ -159,3 +159,18 @@ def test_search_ranks_the_settings_that_fit_by_time_and_prints_the_best_command(
     fitting = [r for r in rows if r["fits"]]
     assert [r["settings"]["activation_checkpointing"] for r in fitting] == [True], rows
     assert "--activation_checkpointing=True" in stdout.splitlines()[-1] and "1 of 3 planned settings fit" in stdout
+
+
+def test_a_grid_may_name_group_sizes_prefetch_and_hsdp_degrees():
+    """--search's optional axes: reshard_after_forward as a group size, prefetch, replicate_degree;
+    a degree that does not divide W is no setting, and the global batch stays the run's."""
+    from planner import search
+    grid = search.parse_grid("reshard_after_forward=True,2 prefetch=False replicate_degree=1,3")
+    assert grid["reshard_after_forward"] == (True, 2) and grid["prefetch"] == (False,)
+    assert grid["wrap_policy"] == search.GRID["wrap_policy"]  # (the axes it does not name: the default grid's)
+    run = {"batch_size": 4, "gradient_accumulation_steps": 8}
+    choice = {"micro_batch": "double", "replicate_degree": 2, "prefetch": False}
+    assert search.settings_of(run, 4, choice) == {"batch_size": 8, "gradient_accumulation_steps": 4,
+                                                  "replicate_degree": 2, "prefetch": False}
+    assert search.settings_of(run, 4, dict(choice, replicate_degree=3)) is None
+    assert search.settings_of(run, 4, {"micro_batch": "same"})["prefetch"] is True
