@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 import metrics
+from overlap import PHASE_RANGE
 from fsdp_impl.comm import collective_bytes
 
 
@@ -112,6 +113,7 @@ class Observer:
         self.cuda = device.startswith("cuda")
         self.profiler, self.memory_snapshot = None, memory_snapshot
         self.step_range = None  # the open ProfilerStep range of a profiled step
+        self.phase_range = None  # and its open phase (mark)
         self.profile = profile
         self.steps = 0
         self.host_ms = {}  # this step's CPU time of the training thread per phase
@@ -176,6 +178,17 @@ class Observer:
             self.step_range = torch.profiler.record_function(f"ProfilerStep#{self.steps}")
             self.step_range.__enter__()
 
+    def mark(self, where):
+        """In a profiled step, a range from each of the step's marks to the next ("phase: forward 0",
+        "phase: backward 0", ..., "phase: zero_grad"), so that a trace shows its phases and
+        micro-steps; overlap.py draws them."""
+        if self.phase_range is not None:
+            self.phase_range.__exit__(None, None, None)
+            self.phase_range = None
+        if self.step_range is not None and where != "between steps":
+            self.phase_range = torch.profiler.record_function(PHASE_RANGE + where)
+            self.phase_range.__enter__()
+
     def _path(self, *parts):
         path = os.path.join(self.out_dir, *parts)
         os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -183,6 +196,7 @@ class Observer:
 
     def after_step(self):
         """Close the profiled step; at the window's end, write what was recorded."""
+        self.mark("between steps")
         if self.step_range is not None:
             self.step_range.__exit__(None, None, None)
             self.step_range = None

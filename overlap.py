@@ -29,6 +29,7 @@ import configurator
 COMM_MARKS = ("gloo:", "nccl:", "ncclKernel", "ncclDevKernel")
 TOP_PLACES = 3  # how many places of exposed communication are listed (here and in bench.py)
 BLOCKING = ("wait", "c10d::", "FSDP::all_gather", "FSDP::post_backward_reduce")
+PHASE_RANGE = "phase: "  # train.py's ranges from one mark of the step to the next (observe.Observer.mark)
 
 
 def _union(intervals):
@@ -110,7 +111,7 @@ def _timelines(trace):
     on_main = [e for e in events if steps and e["tid"] == steps[0]["tid"]]  # the training thread
     busy = _union(_span(e) for e in on_main if e.get("cat") == "cpu_op")
     blocked = _union(_span(e) for e in on_main if any(b in e["name"] for b in BLOCKING))
-    ranges = [e for e in on_main if not e["name"].startswith("ProfilerStep#")]
+    ranges = [e for e in on_main if not e["name"].startswith(("ProfilerStep#", PHASE_RANGE))]
     return steps, ranges, _union(map(_span, comm)), _subtract(busy, blocked)
 
 
@@ -218,40 +219,71 @@ def lanes(trace, step=None):
     return spans, out, exposed
 
 
-def groups(path, step=None):
+def phases(trace, step=None):
+    """[(ms, phase)]: where each of the step's phases begins ("forward 0", "backward 0", "clip",
+    "optimizer", "zero_grad": train.py's phase ranges), in ms from the first profiled step's start,
+    or with `step` from that step's. On a GPU the ranges' copies on the GPU's timeline, where there."""
+    events = [e for e in trace["traceEvents"] if e.get("ph") == "X" and "dur" in e]
+    steps = sorted((e for e in events if e["name"].startswith("ProfilerStep#")
+                    and e.get("cat") != "gpu_user_annotation"), key=lambda e: e["ts"])
+    if step is not None:
+        steps = [s for s in steps if s["name"] == f"ProfilerStep#{step}"]
+    if not steps:
+        return []
+    marked = [e for e in events if e["name"].startswith(PHASE_RANGE)]
+    on_gpu = [e for e in marked if e.get("cat") == "gpu_user_annotation"]
+    t0, hi = steps[0]["ts"], steps[-1]["ts"] + steps[-1]["dur"]
+    return [((e["ts"] - t0) / 1e3, e["name"].removeprefix(PHASE_RANGE)) for e in sorted(on_gpu or marked, key=lambda e: e["ts"])
+            if t0 <= e["ts"] < hi]
+
+
+def group_name(path, data):
+    """A profiled trace's name in a figure: the backend (the folder train.py writes it to) and the rank."""
+    rank = data.get("distributedInfo", {}).get("rank")
+    stem = os.path.splitext(os.path.basename(path))[0]
+    return f"{os.path.basename(os.path.dirname(path))}, " + (f"rank {rank}" if rank is not None else stem)
+
+
+def groups(path, step=None, name=None):
     """[(name, (steps, {lane: bars}, exposed, phases))]: the lanes a file draws. A profiled trace
-    gives one group; plan.py --lanes_json gives a group per row it timed, its phases marked."""
+    gives one group; plan.py --lanes_json gives a group per row it timed. `name` replaces the
+    group's own name (a file's backend and rank)."""
     data = load(path)
     if "predicted_lanes" in data:
-        return [(f"{p['backend']} W={p['nproc']} rank {p['rank']}, predicted",
+        return [(name or f"{p['backend']} W={p['nproc']} rank {p['rank']}, predicted",
                  ([(0.0, p["step_ms"])], {lane: [tuple(b) for b in p["lanes"][lane]] for lane in LANES},
                   [tuple(e) for e in p["exposed"]], p["phases"])) for p in data["predicted_lanes"]]
-    stem = os.path.splitext(os.path.basename(path))[0]
-    return [(f"{os.path.basename(os.path.dirname(path))} {stem}, profiled", lanes(data, step) + ([],))]
+    return [(name or group_name(path, data) + ", profiled", lanes(data, step) + (phases(data, step),))]
 
 
-def draw(paths, png, step=None, title=None):
+def draw(paths, png, step=None, title=None, names=None):
     """The lanes of each file in `paths` (profiled traces, plan.py's predicted steps), one group
-    under another, on one time axis, into `png` (with `step`: that profiled step alone)."""
+    under another, each under its name (`names`, else the file's), on one time axis, into `png`
+    (with `step`: that profiled step alone). Phases start at the grey lines; a legend says the rest."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
     colours = {"compute": "#4c72b0", "all-gather": "#55a868", "reduce-scatter / all-reduce": "#dd8452"}
-    drawn = [group for path in paths for group in groups(path, step)]
-    end = max((steps[-1][1] for _, (steps, _, _, _) in drawn if steps), default=1.0)
-    fig, ax = plt.subplots(figsize=(12, 0.8 + 0.45 * (len(LANES) + 1) * len(drawn)))
+    drawn = [group for i, path in enumerate(paths) for group in groups(path, step, names[i] if names else None)]
+    end = max([steps[-1][1] for _, (steps, _, _, _) in drawn if steps]
+              + [b for _, (_, by_lane, _, _) in drawn for bars in by_lane.values() for _, b, _ in bars] or [1.0])
+    height = len(LANES) + 1.6  # (a group's lanes, its name and phases above them, a gap)
+    fig, ax = plt.subplots(figsize=(12, 1.5 + 0.45 * height * len(drawn)))
     ticks = []
     for g, (name, (steps, by_lane, exposed, phases)) in enumerate(drawn):
-        top = (len(drawn) - g) * (len(LANES) + 1) - 1  # (the group's first lane; a gap between groups)
+        top = (len(drawn) - g) * height - 1.6  # (the group's first lane)
         for a, b in exposed:
             ax.fill_between([a, b], top - len(LANES) + 0.5, top + 0.5, color="#e41a1c", alpha=0.2, linewidth=0)
         for a, b in steps:
             ax.vlines([a, b], top - len(LANES) + 0.5, top + 0.5, color="#444444", linewidth=0.8, linestyles=":")
         for i, (at, phase) in enumerate(phases):
-            ax.vlines(at, top - len(LANES) + 0.5, top + 0.6, color="#888888", linewidth=0.5)
+            ax.vlines(at, top - len(LANES) + 0.5, top + 0.6, color="#888888", linewidth=0.6)
             following = phases[i + 1][0] if i + 1 < len(phases) else end
-            if following - at > end * 0.006 * len(phase):  # (where the name fits)
-                ax.text(at + end * 0.002, top + 0.62, phase, ha="left", va="bottom", fontsize=6, color="#444444")
+            if following - at > end * 0.0065 * len(phase):  # (where the name fits)
+                ax.text(at + end * 0.002, top + 0.62, phase, ha="left", va="bottom", fontsize=6.5, color="#444444")
+        ax.text(0, top + 1.15, name, ha="left", va="bottom", fontsize=8.5, fontweight="bold")
         for i, lane in enumerate(LANES):
             y = top - i
             bars = by_lane[lane]
@@ -259,14 +291,20 @@ def draw(paths, png, step=None, title=None):
             for a, b, label in bars:
                 if label and b - a > end * 0.009 * len(label):  # (where the label fits)
                     ax.text((a + b) / 2, y, label, ha="center", va="center", fontsize=6, color="white")
-            ticks.append((y, f"{name}: {lane}" if i == 0 else lane))
+            ticks.append((y, lane))
     ax.set_yticks([y for y, _ in ticks])
     ax.set_yticklabels([label for _, label in ticks], fontsize=7)
-    ax.set_ylim(0.4, len(drawn) * (len(LANES) + 1) - 0.4 + 0.4)
-    ax.set_xlim(0, end)
+    ax.set_ylim(0.3, len(drawn) * height)
+    ax.set_xlim(0, end * 1.005)
     start = f"ProfilerStep#{step}'s start" if step is not None else "each trace's first profiled step"
-    ax.set_xlabel(f"ms from {start}; dotted: step boundaries; red: communication no compute hid", fontsize=8)
+    ax.set_xlabel(f"ms from {start}; labels on bars: the unit (transformer block) a collective serves", fontsize=8)
     ax.tick_params(axis="x", labelsize=7)
+    handles = [Patch(color=c, label=lane) for lane, c in colours.items()] + [
+        Patch(color="#e41a1c", alpha=0.2, label="communication no compute hid (the training thread waits)"),
+        Line2D([], [], color="#888888", linewidth=0.6, label="a phase begins (forward k, backward k: micro-step k)"),
+        Line2D([], [], color="#444444", linewidth=0.8, linestyle=":", label="step boundary")]
+    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.09 - 0.3 / fig.get_figheight()),
+              ncol=3, fontsize=7, frameon=False)
     if title:
         ax.set_title(title, fontsize=9)
     fig.tight_layout()

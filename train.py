@@ -415,7 +415,8 @@ while True:
     # one optimizer step over the global batch: this rank's micro-batches, gradients communicated
     # on the last one only, clipping, the update (training.train_step: the step plan.py plans)
     training.train_step(config, back, model, optimizer, local_steps, functools.partial(get_batch, "train"),
-                        iter_num, rank, timed=obs.host_time, update=update_or_skip, before_zero_grad=report_memory)
+                        iter_num, rank, timed=obs.host_time, mark=obs.mark, update=update_or_skip,
+                        before_zero_grad=report_memory)
     report_last_step()  # (in this step's time: the wait is for the device, which ran the last one)
     dt = time.time() - t0 - report_s
     obs.after_step()  # (after the clock: the trace, at the window's end, is written outside the step)

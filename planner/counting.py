@@ -67,6 +67,7 @@ class Allocations(TorchDispatchMode):
         self.role_of = {}  # storage number -> the first role in ROLES that roles() gave it while it lived
         self.sampling = False  # roles() at every mark and block too (for the timeline), not only at peaks
         self.ops = None  # [Op] of the step being timed (timing.py), once the run asks for them
+        self.backward_end = ({}, {})  # hold_moment() at the second step's clip: the end of its backward
 
     def __enter__(self):
         # a storage resized in place (FSDP2's and fsdp_impl's free and refill of gathered
@@ -181,13 +182,19 @@ class Allocations(TorchDispatchMode):
         if old is None or ROLES.index(role) < ROLES.index(old):
             self.role_of[number] = role
 
-    def made_of(self):
-        """The peak's bytes by role: as roles() named them at the peak, else by lifetime_roles."""
+    def made_of(self, live=None, named=None):
+        """The peak's bytes by role (or those of `live`, {number: bytes}, whose roles() were
+        `named`): as roles() named them, else by lifetime_roles."""
+        live, named = (self.peak_live, self.peak_roles) if live is None else (live, named)
         by_lifetime = self.lifetime_roles()
         made_of = dict.fromkeys(ROLES, 0)
-        for number, nbytes in self.peak_live.items():
-            made_of[self.peak_roles.get(number) or by_lifetime[number]] += nbytes
+        for number, nbytes in live.items():
+            made_of[named.get(number) or by_lifetime[number]] += nbytes
         return made_of
+
+    def hold_moment(self):
+        """What is live now and the roles roles() names, for made_of later (a fixed moment's breakdown)."""
+        return {entry.number: entry.nbytes for entry in self.live.values()}, self.note_roles()
 
     def lifetime_roles(self):
         """{storage number: role} by lifetime, for the storages no role names: a gradient if a

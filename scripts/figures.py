@@ -39,30 +39,43 @@ import overlap  # noqa: E402
 import planner  # noqa: E402
 import training  # noqa: E402
 
-GIB = 2**30
+GB = 1e9  # the page's units are decimal: 1 GB = 10^9 bytes, 1 MB = 10^6
+STATE_ROLES = ("parameters", "gradients", "optimizer_state")
 BLOCK_BEGIN, BLOCK_END = "<!-- figures.py: {} -->", "<!-- /figures.py -->"
 # the full form's models: GPT-2 124M with micro-batches of 2 x 1024, 1.3B and 7B with 1 sequence;
 # each rank takes one micro-step (gradient_accumulation_steps = W)
 MODELS = {"124M": ["config/train_gpt2.py", "--batch_size=2"],
           "1.3B": ["config/train_gpt2.py", "config/model_1b.py", "--batch_size=1"],
           "7B": ["config/train_gpt2.py", "config/model_7b.py", "--batch_size=1"]}
+BASELINE_W = 8  # the memory table's DDP row (DDP's memory per rank is the same at any W)
 TINY_MODEL = ["--n_layer=3", "--n_head=4", "--n_embd=64", "--batch_size=4", "--block_size=32", "--wrap_policy=block"]
 # the traces' model: big enough on 2 CPU cores for compute to hide communication under
 TRACE_MODEL = ["--n_layer=8", "--n_head=12", "--n_embd=768", "--batch_size=4", "--block_size=64"]
 TINY_TRACE_MODEL = ["--n_layer=2", "--n_head=2", "--n_embd=64", "--batch_size=4", "--block_size=32"]
-# the schedules the traces show: name, caption, train.py settings
+# the schedules the traces show: name, title, caption, train.py settings (two micro-steps per rank
+# unless they say otherwise: gradient_accumulation_steps is the global count, over 2 ranks)
 SCHEDULES = [
-    ("zero3", "(a, b) ZeRO-3 with prefetch: in forward each unit's gather runs under the previous unit's compute; "
-              "in backward the next gather and this unit's reduce-scatter run under backward compute.", []),
-    ("zero2", "(c) ZeRO-2 (`reshard_after_forward=False`): units stay gathered from forward to backward, "
-              "so backward gathers nothing.", ["--reshard_after_forward=False"]),
-    ("kept-gathered", "(d) Two micro-steps with `reshard_after_backward=False` and `reshard_after_forward=False`: "
-                      "no gather after the first forward.",
-     ["--reshard_after_forward=False", "--reshard_after_backward=False", "--gradient_accumulation_steps=4"]),
-    ("no-sync", "(e) Two micro-steps per rank: the first backward reduces nothing; the reduce-scatters come in "
-                "the last backward only.", ["--gradient_accumulation_steps=4"]),
-    ("no-prefetch", "(f) `prefetch=False`, for contrast: each unit waits for its own gather.", ["--prefetch=False"]),
+    ("zero3", "ZeRO-3 with prefetch (the default)",
+     "Our FSDP issues each gather early and waits for it only when its unit computes. "
+     "In forward the next unit's gather runs under this unit's compute; in backward the reduce-scatters run "
+     "beside backward's compute. FSDP2 waits for each gather as it issues it, on gloo (see below).",
+     ["--gradient_accumulation_steps=2"]),
+    ("zero2", "ZeRO-2 in FSDP's sense: reshard_after_forward=False",
+     "Units stay gathered from forward to backward, so backward gathers nothing: two collectives per unit, not three.",
+     ["--gradient_accumulation_steps=2", "--reshard_after_forward=False"]),
+    ("kept-gathered", "two micro-steps, reshard_after_forward=False and reshard_after_backward=False",
+     "Nothing is gathered after the first forward: the units stay gathered across micro-steps. "
+     "Gradients are reduced once, in the last backward.",
+     ["--gradient_accumulation_steps=4", "--reshard_after_forward=False", "--reshard_after_backward=False"]),
+    ("no-sync", "two micro-steps, no gradient sync but in the last",
+     "The first backward reduces nothing: each unit's gradients accumulate unsharded. "
+     "The reduce-scatters come in the last backward only. Each forward and backward still gathers.",
+     ["--gradient_accumulation_steps=4"]),
+    ("no-prefetch", "ZeRO-3 without prefetch (prefetch=False)",
+     "For contrast: each unit waits for its own gather, so the gathers are exposed in both backends.",
+     ["--gradient_accumulation_steps=2", "--prefetch=False"]),
 ]
+TRACE_NAMES = {"custom_fsdp": "our FSDP (custom_fsdp), rank 0", "fsdp": "FSDP2 (fsdp), rank 0"}
 
 
 def run_rank(argv, log, env):
@@ -177,6 +190,11 @@ class Figures:
                 kept[name] = [line for line in body.splitlines() if line and line != "```"]
         lines = ["# The commands behind each figure", "",
                  "Made by `python scripts/figures.py`, which runs them from the repository's root.",
+                 "First the data the traces and benches read: `python data/shakespeare_char/prepare.py` writes "
+                 "`data/shakespeare_char/`.",
+                 "`$WORK` is a scratch folder figures.py makes and deletes; to run a command by hand, make one: "
+                 "`WORK=$(mktemp -d)`.",
+                 "A `--data_dir` elsewhere (the time model's `/tmp/x/data`) held the same prepared files.",
                  "A memory figure draws its commands' `--timeline_json` files, a panel per backend planned.",
                  "Where one command plans every backend, its `--timeline=PNG` draws the same figure.", ""]
         for name, commands in (kept | self.commands).items():
@@ -204,7 +222,10 @@ def memory(fig):
         for w in worlds:
             name = f"memory-{model}-w{w}"
             timelines = []
-            for backend in [None] if drawn.get(w) == "all" else ["fsdp", "custom_fsdp"] if w in drawn else ["custom_fsdp"]:
+            backends = [None] if drawn.get(w) == "all" else ["fsdp", "custom_fsdp"] if w in drawn else ["custom_fsdp"]
+            if w == BASELINE_W and backends != [None]:
+                backends = ["ddp"] + backends  # (the table's baseline: DDP holds the whole state at any W)
+            for backend in backends:
                 argv = ["plan.py", *settings, f"--nproc={w}", f"--gradient_accumulation_steps={w}", f"--json={plans}"]
                 argv += [f"--dist_backend={backend}"] * (backend is not None)
                 argv += [f"--timeline_json={timeline_json}"] * (w in drawn)
@@ -213,24 +234,38 @@ def memory(fig):
                 if w in drawn:
                     timelines += json.load(open(timeline_json))
             if timelines:
-                planner.draw_timelines(timelines, dict(shape, dtype="bfloat16"), fig.figure(name))
+                planner.draw_timelines(timelines, dict(shape, dtype="bfloat16"), fig.figure(name), decimal=True,
+                                       title=f"GPT {model} at W={w}: rank 0's allocated memory over two planned steps")
     fig.save("memory-by-w", rows, fig.commands["memory-by-w"])
 
 
 def render_memory_by_w(result):
-    """Per model and W, custom_fsdp's peak per rank, what it is made of, and when it comes."""
-    roles = ("parameters", "gradients", "optimizer_state", "gathered_parameters", "activations")
-    lines = ["| model | W | peak GiB | " + " | ".join(r.replace("_", " ") for r in roles) + " | other | peak at |",
-             "|---|---:|---:|" + "---:|" * (len(roles) + 1) + "---|"]
-    for r in result["rows"]:
-        if r["backend"] != "custom_fsdp":
-            continue
-        made = r["peak_made_of"]
-        other = sum(v for k, v in made.items() if k not in roles)
-        lines.append(f"| {r['model']} | {r['nproc']} | {r['peak_allocated_bytes'] / GIB:.2f} | "
-                     + " | ".join(f"{made[k] / GIB:.2f}" for k in roles) + f" | {other / GIB:.2f} | {r['peak_at']} |")
-    lines += ["", "custom_fsdp, bfloat16, rank 0, one micro-step per rank; GiB at the peak, by the role "
-              "each storage had there."]
+    """Per model: DDP's peak per rank as the baseline, then custom_fsdp's at each W, with the state
+    it shards, what the peak is made of, and the state at a fixed moment, the end of backward."""
+    def gb(n):
+        return f"{n / GB:.2f}"
+    lines = ["| model | backend | W | state | peak | peak vs DDP | peak at | at the peak: state | gathered | activations "
+             "| communication | end of backward: parameters | gradients | optimizer state |",
+             "|---|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for model in dict.fromkeys(r["model"] for r in result["rows"]):
+        rows = [r for r in result["rows"] if r["model"] == model]
+        base = next((r for r in rows if r["backend"] == "ddp" and r["nproc"] == max(x["nproc"] for x in rows
+                                                                                     if x["backend"] == "ddp")), None)
+        for r in ([base] if base else []) + [r for r in rows if r["backend"] == "custom_fsdp"]:
+            peak, end = r["peak_made_of"], r.get("backward_end_made_of") or {}
+            state = sum(peak[k] for k in STATE_ROLES)
+            ratio = f"{base['peak_allocated_bytes'] / r['peak_allocated_bytes']:.1f}x less" if base and r is not base else "1"
+            lines.append(f"| {model} | {r['backend']} | {r['nproc']} | {gb(r['state_bytes'])} | "
+                         f"{gb(r['peak_allocated_bytes'])} | {ratio} | {r['peak_at'].removeprefix('step 2 ')} | {gb(state)} | "
+                         f"{gb(peak['gathered_parameters'])} | {gb(peak['activations'])} | "
+                         f"{gb(peak['communication'] + peak['other'])} | " + " | ".join(gb(end.get(k, 0)) for k in STATE_ROLES) + " |")
+    lines += ["", "GB per rank, rank 0, bfloat16 compute, each rank one micro-step of the model's batch (2 x 1024 tokens "
+              "for 124M, 1 x 1024 for the others).",
+              "state: parameters, gradients and Adam's moments, 16 bytes a parameter, which FSDP divides by W; "
+              "DDP holds all of it.",
+              "At the peak, the moment the most bytes are live, the state counts only the gradients alive then; "
+              "communication holds the collectives' buffers.",
+              "At the end of backward every gradient is reduced to its shard: the state columns show the division by W."]
     return lines
 
 
@@ -250,80 +285,162 @@ def render_comm_formula(result):
         lines.append(f"| {r['backend']} | {w} | " + " | ".join(
             f"{c.get(k, 0) / 1e9:.3f} | {formula[k] / 1e9:.3f}" for k in formula)
             + f" | {r['comm_bus_bytes_per_step'] / 1e9:.3f} | {bus / 1e9:.3f} |")
-    lines += ["", "GB per rank and step as the plan counts them (nccl-tests' size: the larger of each "
-              "collective's input and output).",
+    lines += ["", "GB per rank and step, as the plan counts them, beside the formula; bfloat16 gathers, float32 reductions.",
               "FSDP gathers less than its formula: train.py keeps the root and the last unit gathered from forward "
               "to backward,", "since their backward comes first (`backends.py`).",
               "The loss's all-reduce is the few bytes in the FSDP rows' all-reduce column."]
+    example = next((r for r in result["rows"] if r["model"] == "124M" and r["nproc"] == 8
+                    and r["backend"] == "custom_fsdp"), None)
+    if example:
+        p, w, c = example["parameters"], example["nproc"], example["comm_bytes_per_step"]
+        lines += ["", f"Worked example, GPT-2 124M at W={w}: P = {p / 1e6:.1f}M parameters.",
+                  f"- All-gather: forward and backward each gather 2 bytes a parameter, 2 x 2 x P = {4 * p / 1e9:.3f} GB.",
+                  f"- Reduce-scatter: float32 gradients, 4 x P = {4 * p / 1e9:.3f} GB.",
+                  f"- Bus bytes: ({w}-1)/{w} x ({4 * p / 1e9:.3f} + {4 * p / 1e9:.3f}) = "
+                  f"{(w - 1) / w * 8 * p / 1e9:.3f} GB, the table's formula.",
+                  f"- The plan gathers {c['all_gather'] / 1e9:.3f} GB, so its bus bytes are "
+                  f"{example['comm_bus_bytes_per_step'] / 1e9:.3f} GB."]
     return lines
 
 
 # ---- traces: train.py --profile, overlap.py --png ---------------------------------------------------
 def traces(fig):
+    """Per schedule, one profiled step of each backend drawn as lanes, its overlap figures into
+    results/learn/traces.json, and the step trimmed for Perfetto beside the figures."""
     schedules = SCHEDULES[:1] if fig.small else SCHEDULES
     model = TINY_TRACE_MODEL if fig.small else TRACE_MODEL
-    for name, _, settings in schedules:
+    rows = []
+    for name, title, _, settings in schedules:
         paths = []
         for backend in ("custom_fsdp",) if fig.small else ("custom_fsdp", "fsdp"):
             out = os.path.join(fig.work, f"trace-{name}-{backend}")
             fig.run([f"trace-{name}"], ["train.py", "--device=cpu", f"--data_dir={fig.data_dir}", f"--out_dir={out}",
                                         f"--dist_backend={backend}", *model, "--wrap_policy=block", "--max_iters=3",
                                         "--eval_iters=0", "--eval_interval=1000", "--keep_checkpoints=0",
-                                        "--profile=True", "--gradient_accumulation_steps=2", *settings], torchrun=2)
+                                        "--profile=True", *settings], torchrun=2)
             paths.append(os.path.join(out, "traces", backend, "rank0.json"))
-        overlap.draw(paths, fig.figure(f"trace-{name}"), step=2)
-        fig.commands[f"trace-{name}"].append(fig.shown(f"python overlap.py {shlex.join(paths)} "
-                                                       f"--png={fig.figure(f'trace-{name}')} --step=2"))
+            trace = overlap.load(paths[-1])
+            (step,) = [r for r in overlap.analyse(trace) if r["step"] == "ProfilerStep#2"]
+            rows.append(dict(step, schedule=name, backend=backend))
+            perfetto(trace, os.path.join(fig.figures_dir, "perfetto", f"{name}-{backend}.json.gz"))
+        png = fig.figure(f"trace-{name}")
+        overlap.draw(paths, png, step=2, names=[TRACE_NAMES[os.path.basename(os.path.dirname(p))] for p in paths],
+                     title=f"{title}: one profiled step, W=2 on 2 CPU cores (gloo), 57M parameters, float32")
+        fig.commands[f"trace-{name}"].append(fig.shown(f"python overlap.py {shlex.join(paths)} --png={png} --step=2"))
+    fig.save("traces", rows, [c for name, *_ in schedules for c in fig.commands[f"trace-{name}"]])
 
 
-def render_traces(_):
+def perfetto(trace, path):
+    """The profiled step for ui.perfetto.dev, small: the operators' argument lists and autograd's
+    forward-backward arrows dropped, times rounded to 0.1 us, gzipped (Perfetto opens .json.gz)."""
+    import gzip
+    events = []
+    for e in trace["traceEvents"]:
+        if e.get("ph") in ("s", "f"):
+            continue
+        e = dict(e)
+        if e.get("cat") == "cpu_op":
+            e.pop("args", None)
+        for key in ("ts", "dur"):
+            if key in e:
+                e[key] = round(e[key], 1)
+        events.append(e)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with gzip.open(path, "wt") as f:
+        json.dump(dict(trace, traceEvents=events), f, separators=(",", ":"))
+
+
+def render_traces(result):
+    """Each schedule's figure and caption; then the overlap of every drawn step, from traces.json."""
     lines = []
-    for name, caption, _ in SCHEDULES:
-        lines += [f"![{name}](figures/trace-{name}.png)", "", caption, ""]
-    return lines[:-1]
+    for name, title, caption, _ in SCHEDULES:
+        lines += [f"![{title}](figures/trace-{name}.png)", "", f"**{title}.** {caption}", ""]
+    if result:
+        lines += ["| schedule | backend | step ms | communication ms | exposed ms | hidden | Perfetto |",
+                  "|---|---|---:|---:|---:|---:|---|"]
+        for r in result["rows"]:
+            hidden = "-" if r["hidden_fraction"] is None else f"{r['hidden_fraction']:.0%}"
+            lines.append(f"| {r['schedule']} | {r['backend']} | {r['step_ms']:.0f} | {r['comm_ms']:.0f} | "
+                         f"{r['exposed_ms']:.0f} | {hidden} | [{r['schedule']}-{r['backend']}.json.gz]"
+                         f"(figures/perfetto/{r['schedule']}-{r['backend']}.json.gz) |")
+        lines += ["", "The drawn steps, profiled: the profiler slows each step, so these times are not bench.py's.",
+                  "communication: the time any collective ran; hidden: the part under the training thread's compute."]
+    return lines
 
 
 # ---- collectives, step time, weak scaling ---------------------------------------------------------
+COLLECTIVE_CALLS = 20  # timed calls per op, size and W
+
+
 def collectives(fig):
     rows, commands = [], []
     for w in (2,) if fig.small else (2, 4):
         path = os.path.join(fig.work, f"collectives-{w}.json")
         sizes = "0.01" if fig.small else "1,10,100"
-        fig.run(["collectives"], ["scripts/collectives.py", f"--json={path}", f"--sizes_mb={sizes}"], torchrun=w)
+        fig.run(["collectives"], ["scripts/collectives.py", f"--json={path}", f"--sizes_mb={sizes}",
+                                  f"--iters={3 if fig.small else COLLECTIVE_CALLS}"], torchrun=w)
         commands.append(fig.commands["collectives"][-1])
-        rows += json.load(open(path))["collectives"]
+        rows += [dict(r, iters=3 if fig.small else COLLECTIVE_CALLS) for r in json.load(open(path))["collectives"]]
     fig.save("collectives", rows, commands)
 
 
 def render_collectives(result):
     lines = ["| op | MB | W | ms | algbw GB/s | busbw GB/s | ran as |", "|---|---:|---:|---:|---:|---:|---|"]
     for r in result["rows"]:
-        lines.append(f"| {r['op']} | {r['size_bytes'] / 1e6:g} | {r['world_size']} | {r['seconds'] * 1e3:.2f} | "
+        shared = " (4 processes on 2 cores)" if r["world_size"] > 2 else ""
+        lines.append(f"| {r['op']} | {r['size_bytes'] / 1e6:g} | {r['world_size']}{shared} | {r['seconds'] * 1e3:.2f} | "
                      f"{r['algbw_gbps']:.2f} | {r['busbw_gbps']:.2f} | {r['ran_as']} |")
-    lines += ["", f"{result['device']}, {result['torch']}; float32, the median of timed calls between barriers.",
-              "gloo runs a reduce-scatter as an all-reduce of the whole input, so it costs more than one."]
+    time = {(r["op"], r["size_bytes"], r["world_size"]): r["seconds"] for r in result["rows"]}
+    dearer = sorted({(size, w) for op, size, w in time if op == "reduce_scatter"
+                     and time[(op, size, w)] > time.get(("all_reduce", size, w), float("inf"))})
+    cheaper = sorted({(size, w) for op, size, w in time if op == "reduce_scatter"} - set(dearer))
+    calls = result["rows"][0].get("iters", "?")
+    lines += ["", f"{result['device']}, {result['torch']}; float32; each row the median of {calls} timed calls, "
+              "each between barriers, after one untimed.",
+              "gloo runs a reduce-scatter as an all-reduce of the whole input, then keeps its shard (\"ran as\").",
+              "So it moves an all-reduce's bytes, and here it took longer than the all-reduce at "
+              + ", ".join(f"{size / 1e6:g} MB W={w}" for size, w in dearer) + "."
+              + ("" if not cheaper else " It did not at " + ", ".join(f"{size / 1e6:g} MB W={w}" for size, w in cheaper)
+                 + ": the two run the same transfer, and at those sizes the calls' spread decides."),
+              "At W=4 four processes share two cores, so their times include waiting for a core."]
     return lines
+
+
+# the step-time table's run: IMPLEMENTATION.md renders the same file (results/, not results/learn/)
+STEP_TIME = "cpu-w2-8x768-batch4x64-block"
 
 
 def step_time(fig):
     rows = "ddp,fsdp,custom_fsdp" + ("" if fig.small else ",fsdp:prefetch=False,custom_fsdp:prefetch=False")
-    path = fig.result("step-time")
+    path = fig.result("step-time") if fig.small else os.path.join("results", f"{STEP_TIME}.json")
     model = TINY_TRACE_MODEL if fig.small else TRACE_MODEL
-    fig.run(["step-time"], ["bench.py", f"--backends={rows}", "--nproc=2", "--repeats=1", "--steps=6",
-                            "--gradient_accumulation_steps=2", "--exposed=True", "--device=cpu", f"--data_dir={fig.data_dir}", "--wrap_policy=block",
-                            *model, f"--json={path}"])
+    fig.run(["step-time"], ["bench.py", f"--backends={rows}", "--nproc=2", f"--repeats={1 if fig.small else 3}",
+                            "--steps=8", "--gradient_accumulation_steps=2", "--exposed=True", "--device=cpu",
+                            f"--data_dir={fig.data_dir}", "--wrap_policy=block", *model, f"--json={path}"])
 
 
 def render_step_time(result):
-    lines = ["| row | step ms | x first row | comm MB/step | exposed comm ms | hidden |", "|---|---:|---:|---:|---:|---:|"]
-    base = None
-    for name, r in result["backends"].items():
-        base = base or r["step_ms"]
+    """Each row's median step, its ratio to the first row's, its peak, its communication and the
+    share of the step it left exposed; then what prefetch buys each backend."""
+    lines = ["| row | step ms | x ddp | peak MB (RSS) | comm MB/step | exposed comm ms | exposed, % of step | hidden |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    rows = result["backends"]
+    base = next(iter(rows.values()))["step_ms"]
+    for name, r in rows.items():
         hidden = "-" if r.get("hidden_fraction") is None else f"{r['hidden_fraction']:.0%}"
         exposed = "-" if r.get("exposed_comm_ms") is None else f"{r['exposed_comm_ms']:.0f}"
-        lines.append(f"| {name} | {r['step_ms']:.0f} | {r['step_ms'] / base:.2f} | {r['comm_mb']:.1f} | {exposed} | {hidden} |")
-    lines += ["", f"{result['device']}, {result['torch']}, commit {result['commit']}: `{result['command']}`.",
+        share = "-" if r.get("exposed_comm_ms") is None else f"{r['exposed_comm_ms'] / r['step_ms']:.0%}"
+        lines.append(f"| {name} | {r['step_ms']:.0f} | {r['step_ms'] / base:.2f} | {r['peak_mem_mb'] * 2**20 / 1e6:,.0f} | "
+                     f"{r['comm_mb'] * 2**20 / 1e6:.1f} | {exposed} | {share} | {hidden} |")
+    speedups = [f"{b}: {rows[f'{b}:prefetch=False']['step_ms'] / rows[b]['step_ms']:.2f}x" for b in ("fsdp", "custom_fsdp")
+                if b in rows and f"{b}:prefetch=False" in rows]
+    lines += ["", f"{result['device']}, {result['torch']}, commit {result['commit']}, median of {result['repeats']} "
+              f"repeats of {result['steps']} steps: `{result['command']}`.",
+              "57M parameters, float32 on CPU, so gathers move 4 bytes a parameter, not bfloat16's 2.",
+              "Exposed communication comes from one more, profiled run per row; peak is the largest rank's resident memory.",
               "DDP's all-reduce runs in its C++ reducer, out of the counters' sight: its bytes are its gradients' size."]
+    if speedups:
+        lines.append("Prefetch's speedup, the step without it over the step with it: " + ", ".join(speedups) + ".")
     return lines
 
 
@@ -345,8 +462,9 @@ def weak_scaling(fig):
         row |= {"n_layer": per_w * w, "parameters": sum(p.numel() for p in planner.meta_model(shape).parameters())}
         if w <= (2 if fig.small else 4):
             bench_path = os.path.join(fig.work, f"weak-bench-{w}.json")
-            fig.run(["weak-scaling"], ["bench.py", "--backends=custom_fsdp", f"--nproc={w}", "--repeats=1", "--steps=6",
-                                       "--device=cpu", f"--n_layer={per_w * w}", *width, *micro, "--wrap_policy=block",
+            fig.run(["weak-scaling"], ["bench.py", "--backends=custom_fsdp", f"--nproc={w}",
+                                       f"--repeats={1 if fig.small else 3}", "--steps=6", "--device=cpu",
+                                       f"--n_layer={per_w * w}", *width, *micro, "--wrap_policy=block",
                                        f"--gradient_accumulation_steps={w}", f"--json={bench_path}"])
             commands.append(fig.commands["weak-scaling"][-1])
             row["step_ms"] = json.load(open(bench_path))["backends"]["custom_fsdp"]["step_ms"]
@@ -355,16 +473,118 @@ def weak_scaling(fig):
 
 
 def render_weak_scaling(result):
-    lines = ["| W | layers | parameters | state per rank MiB | peak per rank MiB | step ms (CPU) |",
-             "|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| W | layers | parameters | state per rank MB | peak per rank MB | step ms (CPU, gloo) |",
+             "|---:|---:|---:|---:|---:|---|"]
     for r in result["rows"]:
-        step = f"{r['step_ms']:.0f}" if "step_ms" in r else "-"
-        lines.append(f"| {r['nproc']} | {r['n_layer']} | {r['parameters'] / 1e6:.1f}M | {r['state_bytes'] / 2**20:.1f} | "
-                     f"{r['peak_allocated_bytes'] / 2**20:.1f} | {step} |")
-    lines += ["", "custom_fsdp, float32, one micro-step of 4 x 64 per rank. The state per rank stays flat.",
+        step = f"{r['step_ms']:.0f}" if "step_ms" in r else f"not run: {r['nproc']} processes on 2 cores"
+        lines.append(f"| {r['nproc']} | {r['n_layer']} | {r['parameters'] / 1e6:.1f}M | {r['state_bytes'] / 1e6:.1f} | "
+                     f"{r['peak_allocated_bytes'] / 1e6:.1f} | {step} |")
+    lines += ["", "custom_fsdp, float32, one micro-step of 4 x 64 tokens per rank. The state per rank stays flat.",
               "The peak grows with depth: each rank keeps every layer's activations of its own micro-batch.",
-              "Step time is measured with W processes on 2 CPU cores: above W=2 they share cores."]
+              "Step time is bench.py's median of 3 repeats. Above W=2 the processes share 2 cores, so time grows with W "
+              "for want of cores, not for FSDP; above W=4 a step would measure only the sharing."]
     return lines
+
+
+# ---- unit size and prefetch: plan.py's peak, bench.py's step -------------------------------------
+BLOCK_PARAMS = 7_087_872  # one block of the traces' model (width 768): its parameters
+UNIT_SIZES = [("1 block", ["wrap_policy=block"]), ("1 block, no prefetch", ["wrap_policy=block", "prefetch=False"]),
+              ("2 blocks", ["wrap_policy=size", f"min_wrap_params={2 * BLOCK_PARAMS}"]),
+              ("4 blocks", ["wrap_policy=size", f"min_wrap_params={4 * BLOCK_PARAMS}"]),
+              ("the whole model", ["wrap_policy=model"])]
+
+
+def unit_sizes(fig):
+    """The traces' model at W=2 under each unit size of UNIT_SIZES: the planned peak (exact) and the
+    measured step (bench.py, the same runs side by side)."""
+    model = TINY_TRACE_MODEL if fig.small else TRACE_MODEL
+    common = [*model, "--gradient_accumulation_steps=2", f"--data_dir={fig.data_dir}"]
+    rows, path = [], os.path.join(fig.work, "unit.json")
+    for name, settings in UNIT_SIZES:
+        fig.run(["unit-sizes"], ["plan.py", "--device=cpu", "--dist_backend=custom_fsdp", "--nproc=2", "--dtype=float32",
+                                 *common, *[f"--{kv}" for kv in settings], f"--json={path}"])
+        (row,) = json.load(open(path))
+        rows.append(dict(row, unit=name, settings=settings))
+    bench_path = os.path.join(fig.work, "unit-bench.json")
+    fig.run(["unit-sizes"], ["bench.py", "--backends=" + ",".join("custom_fsdp:" + ":".join(s) for _, s in UNIT_SIZES),
+                             "--nproc=2", f"--repeats={1 if fig.small else 3}", "--steps=6", "--exposed=False",
+                             "--device=cpu", *common, f"--json={bench_path}"])
+    measured = json.load(open(bench_path))
+    for row, (_, settings) in zip(rows, UNIT_SIZES):
+        row["step_ms"] = measured["backends"]["custom_fsdp:" + ":".join(settings)]["step_ms"]
+    fig.save("unit-sizes", rows, fig.commands["unit-sizes"])
+
+
+def render_unit_sizes(result):
+    lines = ["| unit | gathered MB per unit | planned peak MB | peak at | all-gather MB/step | step ms (CPU) |",
+             "|---|---:|---:|---|---:|---:|"]
+    for r in result["rows"]:
+        lines.append(f"| {r['unit']} | {r['peak_made_of']['gathered_parameters'] / 1e6:.1f} | "
+                     f"{r['peak_allocated_bytes'] / 1e6:.1f} | {r['peak_at'].removeprefix('step 2 ')} | "
+                     f"{r['comm_bytes_per_step'].get('all_gather', 0) / 1e6:.1f} | {r['step_ms']:.0f} |")
+    lines += ["", f"custom_fsdp at W=2, the traces' model (57M parameters, float32), 2 micro-steps per rank; "
+              f"{result['device']}, {result['torch']}, commit {result['commit']}.",
+              "Gathered MB: the gathered parameters live at the peak. Peak: plan.py's, the allocator's bytes. "
+              "Step: bench.py's median of 3 repeats."]
+    return lines
+
+
+# ---- fsdp_impl's step, drawn ------------------------------------------------------------------------
+def architecture(fig):
+    """docs/figures/fsdp-step.png: where fsdp_impl's hooks fire in one step of two units, and what each
+    issues. Drawn from this description, not from a run."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import FancyBboxPatch
+    lanes = {"hook": 3.0, "compute": 2.0, "all-gather": 1.0, "reduce-scatter": 0.0}
+    colours = {"hook": "#eeeeee", "compute": "#4c72b0", "all-gather": "#55a868", "reduce-scatter": "#dd8452"}
+    # the step in order: (lane, text, the collectives it issues, each drawn from the box's end on)
+    steps = [("hook", "pre-forward A:\ngather A, wait;\nissue gather B", ["gather B"]),
+             ("compute", "forward A", []), ("hook", "post-forward A:\nfree gathered A", []),
+             ("hook", "pre-forward B:\nwait for gather B", []), ("compute", "forward B", []),
+             ("hook", "post-forward B:\nkeep B gathered\n(its backward is next)", []),
+             ("hook", "pre-backward B\n(B's output grad):\nissue gather A", ["gather A"]),
+             ("compute", "backward B", []),
+             ("hook", "post-backward B:\nreduce-scatter B's\ngrads; free B", ["reduce-scatter B"]),
+             ("hook", "pre-backward A:\nwait for gather A", []), ("compute", "backward A", []),
+             ("hook", "post-backward A:\nreduce-scatter A's\ngrads; free A", ["reduce-scatter A"]),
+             ("hook", "end of backward\n(queued callback):\nwait reductions", []),
+             ("compute", "optimizer step\non own shards", [])]
+    width = {"hook": 2.8, "compute": 2.4}
+    boxes, phases, x = [("all-gather", 0.0, 2.8, "gather A\n(nothing to hide under)")], [], 0.0
+    for lane, text, issued in steps:
+        phase = {"pre-forward A": "forward", "pre-backward B": "backward", "optimizer": "optimizer"}
+        phases += [(x, name) for start, name in phase.items() if text.startswith(start)]
+        boxes.append((lane, x, x + width[lane], text))
+        x += width[lane]
+        for collective in issued:
+            boxes.append(("all-gather" if collective.startswith("gather") else "reduce-scatter", x, x + 2.4, collective))
+    fig_, ax = plt.subplots(figsize=(15, 4.6))
+    for lane, a, b, text in boxes:
+        y = lanes[lane]
+        ax.add_patch(FancyBboxPatch((a + 0.05, y - 0.4), b - a - 0.1, 0.8, boxstyle="round,pad=0.0,rounding_size=0.1",
+                                    facecolor=colours[lane], edgecolor="#555555", linewidth=0.6))
+        ax.text((a + b) / 2, y, text, ha="center", va="center", fontsize=6.5,
+                color="black" if lane == "hook" else "white")
+    for at, label in phases:
+        ax.axvline(at, color="#999999", linewidth=0.8, linestyle=":")
+        ax.text(at + 0.1, 3.55, label, fontsize=8, fontweight="bold", va="bottom")
+    ax.set_yticks(list(lanes.values()))
+    ax.set_yticklabels(["hooks (training thread)", "compute", "all-gather (async)", "reduce-scatter (async)"], fontsize=8)
+    ax.set_xlim(-0.2, x + 0.2)
+    ax.set_ylim(-0.75, 4.0)
+    ax.set_xticks([])
+    for side in ("top", "right", "bottom"):
+        ax.spines[side].set_visible(False)
+    ax.set_title("fsdp_impl's step with two units A and B, ZeRO-3 with prefetch: where each hook fires and what it "
+                 "issues", fontsize=9)
+    ax.text(0, -0.6, "No broadcast after the optimizer step: each rank updates only its own shard, and the next "
+            "forward's all-gather delivers the new values to every rank.", fontsize=7.5, va="top")
+    fig_.tight_layout()
+    fig_.savefig(fig.figure("fsdp-step"), dpi=110)
+    plt.close(fig_)
+    fig.commands["fsdp-step"] = ["python scripts/figures.py --only=architecture"]
 
 
 # ---- the time model: plan.py's predicted step against measured ones -------------------------------
@@ -495,10 +715,10 @@ def render_time_model(_):
 
 RENDER = {"memory-by-w": render_memory_by_w, "comm-formula": render_comm_formula, "trace-figures": render_traces,
           "collectives": render_collectives, "step-time": render_step_time, "weak-scaling": render_weak_scaling,
-          "time-model": render_time_model}
-SOURCES = {"memory-by-w": "memory-by-w", "comm-formula": "memory-by-w", "trace-figures": None,
-           "collectives": "collectives", "step-time": "step-time", "weak-scaling": "weak-scaling",
-           "time-model": None}
+          "time-model": render_time_model, "unit-sizes": render_unit_sizes}
+SOURCES = {"memory-by-w": "memory-by-w", "comm-formula": "memory-by-w", "trace-figures": "traces",
+           "collectives": "collectives", "step-time": os.path.join("..", STEP_TIME), "weak-scaling": "weak-scaling",
+           "time-model": None, "unit-sizes": "unit-sizes"}
 
 
 def render(doc, results_dir, missing_ok=False):
@@ -531,8 +751,8 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--small", action="store_true", help="each kind of figure once, on tiny models")
     p.add_argument("--render", action="store_true", help="only fill the tables, from the results' JSON")
-    p.add_argument("--only", default="", help="these parts alone, comma-separated: memory, traces, collectives, "
-                                              "step_time, weak_scaling, time_model")
+    p.add_argument("--only", default="", help="these parts alone, comma-separated: architecture, memory, "
+                                              "traces, collectives, step_time, weak_scaling, unit_sizes, time_model")
     p.add_argument("--figures_dir", default=os.path.join(HERE, "docs", "figures"))
     p.add_argument("--results_dir", default=os.path.join(HERE, "results", "learn"),
                    help="the tables' JSON (not results/*.json, which IMPLEMENTATION.md renders)")
@@ -551,8 +771,8 @@ def main():
             p.error(f"--data_dir={args.data_dir} has no train.bin: run python data/shakespeare_char/prepare.py")
         fig = Figures(args.figures_dir, args.results_dir, args.small, args.data_dir)
         try:
-            parts = (memory, traces, collectives, time_model) if args.small else (
-                memory, traces, collectives, step_time, weak_scaling, time_model)
+            parts = (architecture, memory, traces, collectives, time_model) if args.small else (
+                architecture, memory, traces, collectives, step_time, weak_scaling, unit_sizes, time_model)
             for part in [p for p in parts if not args.only or p.__name__ in args.only.split(",")]:
                 started = time.time()
                 print(f"{part.__name__} ...", end=" ", flush=True)

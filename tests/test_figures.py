@@ -1,6 +1,7 @@
 """scripts/figures.py, which makes docs/LEARN.md's figures and tables: its small form end to end
 (a plan's timeline and table, a profiled step's lanes, the collectives alone), and the page as
 committed, which must be what the committed results/learn/*.json render to."""
+import gzip
 import json
 import re
 import shutil
@@ -28,7 +29,8 @@ def test_the_small_form_makes_each_kind_of_figure_and_fills_its_tables(char_data
                   f"--doc={doc}", f"--data_dir={char_data}"], timeout=240, fork=False)
     assert res.returncode == 0, res.describe()
     made = {p.name for p in figures.glob("*.png")}
-    assert made == {"memory-tiny-w2.png", "trace-zero3.png", "trace-predicted.png", "time-model.png"} and all((figures / p).stat().st_size > 10_000 for p in made)
+    assert made == {"fsdp-step.png", "memory-tiny-w2.png", "trace-zero3.png", "trace-predicted.png",
+                    "time-model.png"} and all((figures / p).stat().st_size > 10_000 for p in made)
     commands = (figures / "commands.md").read_text()
     for name, command in (("memory-tiny-w2", "python plan.py"), ("trace-zero3", "python overlap.py"),
                           ("collectives", "scripts/collectives.py"), ("trace-predicted", "--lanes_json="),
@@ -37,10 +39,17 @@ def test_the_small_form_makes_each_kind_of_figure_and_fills_its_tables(char_data
     filled = blocks(doc.read_text())
     rows = json.loads((results / "memory-by-w.json").read_text())
     assert rows["commit"] and rows["command"].startswith("python plan.py")
-    table = [line for line in filled["memory-by-w"] if line.startswith("| tiny |")]
+    table = [line for line in filled["memory-by-w"] if line.startswith("| tiny | custom_fsdp |")]
     assert len(table) == sum(r["backend"] == "custom_fsdp" for r in rows["rows"]) == 1  # W = 2
-    peaks = [f"{r['peak_allocated_bytes'] / 2**30:.2f}" for r in rows["rows"] if r["backend"] == "custom_fsdp"]
-    assert [line.split(" | ")[2] for line in table] == peaks
+    peaks = [f"{r['peak_allocated_bytes'] / 1e9:.2f}" for r in rows["rows"] if r["backend"] == "custom_fsdp"]
+    assert [line.split(" | ")[4] for line in table] == peaks
+    assert any(line.startswith("| tiny | ddp | 2 |") for line in filled["memory-by-w"])  # the baseline
+    traces = json.loads((results / "traces.json").read_text())["rows"]
+    assert [(r["schedule"], r["backend"]) for r in traces] == [("zero3", "custom_fsdp")]
+    with gzip.open(figures / "perfetto" / "zero3-custom_fsdp.json.gz", "rt") as f:  # (Perfetto opens it as is)
+        names = [e.get("name", "") for e in json.load(f)["traceEvents"]]
+    assert "ProfilerStep#2" in names and [n for n in names if n.startswith("phase: ")] == [
+        "phase: forward 0", "phase: backward 0", "phase: clip", "phase: optimizer", "phase: zero_grad"]
     collectives = json.loads((results / "collectives.json").read_text())["rows"]
     assert [r["op"] for r in collectives] == ["all_gather", "reduce_scatter", "all_reduce"]
     assert [r["ran_as"] for r in collectives] == ["gloo:all_gather", "gloo:all_reduce", "gloo:all_reduce"]
