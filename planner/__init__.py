@@ -5,6 +5,10 @@ plan.py's workings, one concern a file (plan.py's docstring says what a plan is)
     cuda.py       CUDA's caching allocator replayed over the counts; the GPU's memory
     step.py       the planned step: the model wrapped as train.py wraps it, two steps on fake tensors
     draw.py       the pictures
+    snapshot.py   the CUDA model's replay as a torch.cuda.memory._snapshot() file, for memory_viz
+    timing.py     the time model: each op and collective timed, the step replayed on three clocks
+    calibrate.py  this CPU's figures for the time model, measured once and cached
+    search.py     --search: a grid of settings planned, those that fit ranked by speed
     cli.py        the command line and the table
 """
 from .counting import ROLES, Allocations

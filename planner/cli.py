@@ -2,6 +2,7 @@
 plan.py's command line: its own flags beside train.py's settings, the rows planned two at a time,
 the table, the JSON and the pictures.
 """
+import os
 import sys
 import textwrap
 from typing import Callable, NamedTuple
@@ -17,7 +18,8 @@ from .step import Child, busbw, in_child, largest_batch, plan, second_batch
 
 
 PLAN_FLAGS = {"nproc": "1,2,4,8", "rank": 0, "json": "", "png": "", "gpu": "", "gpu_mem_gib": "", "busbw_gbps": "",
-              "timeline": "", "timeline_json": "", "lanes_json": "", "search": ""}  # plan.py's own settings, beside train.py's
+              "timeline": "", "timeline_json": "", "lanes_json": "", "snapshot": "",
+              "search": ""}  # plan.py's own settings, beside train.py's
 PLAN_FLAG_HELP = {
     "nproc": "world sizes to plan, comma-separated",
     "rank": "the rank planned (rank 0's shards are the largest; past a world size, rank 0 there)",
@@ -29,6 +31,7 @@ PLAN_FLAG_HELP = {
     "timeline": "draw each row's memory through the step to this PNG",
     "timeline_json": "write each row's memory through the step to this JSON file",
     "lanes_json": "write each timed row's predicted step as lanes to this JSON file (overlap.py --png draws it)",
+    "snapshot": "write each row's CUDA model as a torch.cuda.memory._snapshot() pickle (memory_viz reads it)",
     "search": "the fastest settings that fit (--search alone: the default grid; or \"KEY=V1,V2 ...\")",
 }
 
@@ -76,6 +79,8 @@ def split_argv(argv):
                     raise ValueError
             except ValueError:
                 configurator.fail(f"--{flag}={own[flag]}: give {example}")
+    if own["snapshot"] and not os.path.isdir(os.path.dirname(os.path.abspath(own["snapshot"]))):
+        configurator.fail(f"--snapshot={own['snapshot']}: its folder does not exist")
     if own["rank"] < 0:
         configurator.fail(f"--rank={own['rank']} must be 0 or more (a rank past a world size plans rank 0 there)")
     if not all(1 <= w <= 1 << 20 for w in own["nproc"]):
@@ -83,15 +88,19 @@ def split_argv(argv):
     return own, rest
 
 
-def plan_row(settings, backend_name, world, rank, own, limit, drawn, gloo):
+def plan_row(settings, backend_name, world, rank, own, limit, drawn, gloo, snapshot=None):
     """plan.py's row for one backend and W, whole: the plan (planned in a child) and what it answers,
     the communication time at the bus bandwidth and, given the GPU's memory, the headroom, whether
-    it fits and the largest batch that does. -> (row, its timeline or None, its predicted lanes or None)."""
+    it fits and the largest batch that does. -> (row, its timeline or None, its predicted lanes or None).
+    snapshot: the path its memory snapshot is written to (snapshot.py), here, in the row's process."""
     asked = limit is not None  # (the GPU's memory given: the largest batch too, from a second plan beside)
     second = Child(plan, dict(settings, batch_size=second_batch(settings["batch_size"])), backend_name, world, rank,
                    gloo=gloo, keep_trace=True) if asked else None
     row = in_child(plan, settings, backend_name, world, rank, drawn, gloo, keep_trace=asked,
-                   device=time_device(own, world, gloo))
+                   device=time_device(own, world, gloo), snapshot=bool(snapshot))
+    if snapshot:
+        from .snapshot import write
+        write(row.pop("snapshot"), snapshot)
     timeline = None
     if drawn:
         timeline = {k: row[k] for k in ("backend", "nproc", "rank", "peak_allocated_bytes", "peak_at")} | row.pop("timeline")
@@ -130,6 +139,8 @@ def main(argv):
     if not given("dtype"):
         settings["dtype"] = "bfloat16"  # (what train.py takes on the GPUs plans are for)
     gloo = given("device") and settings["device"] == "cpu"  # (a CPU run: its collectives go through gloo)
+    if own["snapshot"] and own["search"]:
+        configurator.fail("--snapshot writes the rows planned, --search ranks a grid: give one of them")
     if own["lanes_json"] and not (own["gpu"] or gloo):
         configurator.fail("--lanes_json is the time model's step: give --gpu, or --device=cpu for this CPU's")
     own["cpu_figures"] = calibrate.figures() if gloo and not own["gpu"] else None  # (once, before the children)
@@ -144,10 +155,11 @@ def main(argv):
     drawn = bool(own["timeline"] or own["timeline_json"])
     jobs = [(backend_name, world, own["rank"] if own["rank"] < world else 0)
             for backend_name in backends for world in own["nproc"]]
+    snapshots = snapshot_paths(own["snapshot"], jobs) if own["snapshot"] else [None] * len(jobs)
     running = []  # rows planned two at a time, each in a process of its own (two cores), kept in order
     for index, (backend_name, world, rank) in enumerate(jobs):
         print(f"planning {backend_name} at W={world}, rank {rank}", file=sys.stderr, flush=True)
-        running.append(Child(plan_row, settings, backend_name, world, rank, own, limit, drawn, gloo))
+        running.append(Child(plan_row, settings, backend_name, world, rank, own, limit, drawn, gloo, snapshots[index]))
         while running and (len(running) == ROWS_AT_ONCE or index == len(jobs) - 1):
             try:
                 row, timeline, lanes = running.pop(0).result()
@@ -161,6 +173,11 @@ def main(argv):
     print(table(rows, settings, limit, gloo))
     if compiled:
         print("compile=True is planned as eager: the compiled kernels' own buffers are not counted.")
+    for (backend_name, world, rank), path in zip(jobs, snapshots):
+        if path:
+            print(f"memory snapshot of {backend_name} at W={world}, rank {rank}: {path}")
+    if own["snapshot"]:
+        print("(drawn by python -m torch.cuda._memory_viz trace_plot PATH -o PATH.html, or pytorch.org/memory_viz)")
     if own["json"]:
         import json
         with open(own["json"], "w") as f:
@@ -177,6 +194,17 @@ def main(argv):
             json.dump({"predicted_lanes": predicted}, f)
     if own["timeline"]:
         draw_timelines(timelines, settings, own["timeline"])
+
+
+def snapshot_paths(path, jobs):
+    """Where each row's snapshot goes: `path` for one row; for several, the backend (and the world
+    size, where several are planned) put before its extension: memory-fsdp.pickle, memory-fsdp-W2.pickle."""
+    if len(jobs) == 1:
+        return [path]
+    stem, extension = os.path.splitext(path)
+    several = len({b for b, _, _ in jobs}) > 1, len({w for _, w, _ in jobs}) > 1
+    return [stem + (f"-{backend_name}" if several[0] else "") + (f"-W{world}" if several[1] else "") + extension
+            for backend_name, world, _ in jobs]
 
 
 def search_main(own, rest, settings, backends, limit, gloo):

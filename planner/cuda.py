@@ -34,26 +34,50 @@ class CachingAllocatorModel:
     size rounded up to 2 MiB; the smallest cached free block that fits is taken and split when
     what is left is worth keeping (512 bytes in the small pool, over 1 MiB in the large); freed
     blocks merge with free neighbours of their segment; segments are never returned. A storage
-    resized in place is a new block, then the old one freed (a copy)."""
+    resized in place is a new block, then the old one freed (a copy).
+    With log=True it also keeps `log`, the replay's events for a memory snapshot (snapshot.py):
+    ("segment_alloc", index in the trace, address, size), ("alloc", index, storage number, address,
+    block size, bytes asked) and ("free", index, storage number, address, block size); each
+    segment lies at an address of its own (`bases`), after the one before it."""
     SMALL, MIN_BLOCK, SMALL_SEGMENT, LARGE_SEGMENT, MIN_LARGE, ROUND_LARGE = (
         2**20, 512, 2 * 2**20, 20 * 2**20, 10 * 2**20, 2 * 2**20)
+    BASE = 0x7F0000000000  # the first segment's address (where CUDA's usually lie; below 2**53 for JavaScript)
 
-    def __init__(self):
+    def __init__(self, log=False):
         self.free = {True: [], False: []}  # small pool?: its free blocks
         self.blocks = {}  # storage number -> its block
         self.allocated = self.reserved = self.peak_allocated = 0
         self.segments = 0
+        self.bases = {}  # segment -> its address (segments' sizes are whole 2 MiB: each one aligned)
+        self.log = [] if log else None
 
     def replay(self, trace):
-        for number, nbytes in trace:
+        for at, (number, nbytes) in enumerate(trace):
             old = self.blocks.pop(number, None)
             if nbytes:
-                self.blocks[number] = self._malloc(nbytes)
+                block = self.blocks[number] = self._malloc(nbytes, at)
+                if self.log is not None:
+                    self.log.append(("alloc", at, number, self.address(block), block.size, nbytes))
             if old is not None:
+                if self.log is not None:
+                    self.log.append(("free", at, number, self.address(old), old.size))
                 self._release(old)
         return self
 
-    def _malloc(self, nbytes):
+    def address(self, block):
+        return self.bases[block.segment] + block.offset
+
+    def layout(self):
+        """The segments now, in address order: [(segment, small pool?, [(offset, size, storage
+        number, or None where the block is free)])], each segment's blocks in order, covering it."""
+        segments = {}
+        held = [(block, number) for number, block in self.blocks.items()]
+        for block, number in held + [(block, None) for pool in self.free.values() for block in pool]:
+            segments.setdefault(block.segment, (block.small, []))[1].append((block.offset, block.size, number))
+        return [(segment, small, sorted(blocks, key=lambda b: b[0]))
+                for segment, (small, blocks) in sorted(segments.items())]
+
+    def _malloc(self, nbytes, at=None):
         size = max(self.MIN_BLOCK, -(-nbytes // self.MIN_BLOCK) * self.MIN_BLOCK)
         small = size <= self.SMALL
         fits = [b for b in self.free[small] if b.size >= size]
@@ -63,9 +87,12 @@ class CachingAllocatorModel:
         else:
             segment = self.SMALL_SEGMENT if small else (
                 self.LARGE_SEGMENT if size < self.MIN_LARGE else -(-size // self.ROUND_LARGE) * self.ROUND_LARGE)
-            self.reserved += segment
             self.segments += 1
+            self.bases[self.segments] = self.BASE + self.reserved
+            self.reserved += segment
             block = Block(self.segments, 0, segment, small)
+            if self.log is not None:
+                self.log.append(("segment_alloc", at, self.bases[self.segments], segment))
         rest = block.size - size
         if rest >= self.MIN_BLOCK if small else rest > self.SMALL:
             self.free[small].append(Block(block.segment, block.offset + size, rest, small))
@@ -85,11 +112,13 @@ class CachingAllocatorModel:
         pool.append(Block(segment, offset, size, small))
 
 
-def cuda_model(trace):
+def cuda_model(trace, log=False):
     """CUDA's caching allocator replayed over a plan's trace. cuBLAS's workspaces are made at the
     first forward and backward, and kept: the peak, in the second step, holds them, and a block
-    never freed is reused by nobody, so they go first."""
-    return CachingAllocatorModel().replay([(-1 - i, CUBLAS_WORKSPACE_BYTES) for i in range(CUBLAS_WORKSPACES)] + trace)
+    never freed is reused by nobody, so they go first (storages -1, -2, ..., the trace's first
+    entries). log: the model keeps its events (CachingAllocatorModel)."""
+    return CachingAllocatorModel(log).replay([(-1 - i, CUBLAS_WORKSPACE_BYTES) for i in range(CUBLAS_WORKSPACES)]
+                                             + trace)
 
 
 GPUS = {"a100": 81_920, "h100": 81_559, "h200": 143_771}  # MiB, as nvidia-smi reports the 80 GB and 141 GB parts

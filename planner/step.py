@@ -104,6 +104,8 @@ def steps(counter, settings, back, model, local_steps, fake, timed=False):
                 counter.note_roles()
             counter.where = f"step {step + 1} {where}"
             counter.marks.append((len(counter.trace), counter.where))
+            if where == "clip" and step == 1:  # the end of backward: gradients reduced, activations gone
+                counter.backward_end = counter.hold_moment()
             if where == "zero_grad":  # the gradients are still there
                 counter.host_numbers.update(counter.live[key].number for key, role in counter.roles().items()
                                             if role in STATE_ROLES and key in counter.live)
@@ -181,24 +183,29 @@ def busbw(world, given=""):
     return INFINIBAND_BUSBW[min([w for w in INFINIBAND_BUSBW if w >= world] or [1024])]
 
 
-def plan(settings, backend_name, world, rank, timeline=False, gloo=False, keep_trace=False, device=None):
+def plan(settings, backend_name, world, rank, timeline=False, gloo=False, keep_trace=False, device=None,
+         snapshot=False):
     """One backend at W ranks, as rank `rank`: the row plan.py reports; with timeline, its
     "timeline" too (Allocations.timeline), with keep_trace the "trace" the CUDA model replays. Under
     cpu_offload the run is planned without it, and the GPU's side is what stays after the state
-    moves to host memory. gloo: a CPU run's buffers count."""
+    moves to host memory. gloo: a CPU run's buffers count. snapshot: its "snapshot" too, the CUDA
+    model's replay as torch.cuda.memory._snapshot() gives one (snapshot.py), roles sampled as for timeline."""
     started = time.time()
     offload = settings["cpu_offload"]
     if offload and backend_name == "ddp":  # (planned without offload below: ask train.py's refusal here)
         raise BackendError("cpu_offload and replicate_degree apply to the sharded backends only")
-    counter, state, local_steps = run(dict(settings, cpu_offload=False), backend_name, world, rank, sampling=timeline,
-                                      gloo=gloo, timed=device is not None)
+    counter, state, local_steps = run(dict(settings, cpu_offload=False), backend_name, world, rank,
+                                      sampling=timeline or snapshot, gloo=gloo, timed=device is not None)
     peak, peak_at, made_of, trace = counter.peak, counter.peak_where, counter.made_of(), counter.trace
     peak_event = counter.peak_index - 1
     if offload:
         peak, peak_at, trace, peak_event = device_side(counter)
         made_of = None  # (the breakdown is the whole run's)
-    cuda = cuda_model(trace)
+    cuda = cuda_model(trace, log=snapshot)
     extra = {"trace": trace} if keep_trace else {}
+    if snapshot:
+        from .snapshot import memory_snapshot
+        extra["snapshot"] = memory_snapshot(counter, cuda, counter.host_numbers if offload else ())
     if device is not None:
         extra |= step_time(counter.ops, device, settings)
     if timeline:
@@ -206,6 +213,7 @@ def plan(settings, backend_name, world, rank, timeline=False, gloo=False, keep_t
                                  peak_event=peak_event)
     return extra | {"backend": backend_name, "nproc": world, "rank": rank, "micro_steps": local_steps,
             "peak_allocated_bytes": peak, "cuda_allocated_bytes": cuda.peak_allocated,
+            "backward_end_made_of": None if offload else counter.made_of(*counter.backward_end),
             "reserved_bytes": cuda.reserved, "peak_at": peak_at, "peak_made_of": made_of,
             "communicators": len(counter.groups),
             "outside_allocator_bytes": CUDA_CONTEXT_BYTES + NCCL_COMMUNICATOR_BYTES * len(counter.groups),

@@ -47,6 +47,7 @@ BLOCK_BEGIN, BLOCK_END = "<!-- figures.py: {} -->", "<!-- /figures.py -->"
 MODELS = {"124M": ["config/train_gpt2.py", "--batch_size=2"],
           "1.3B": ["config/train_gpt2.py", "config/model_1b.py", "--batch_size=1"],
           "7B": ["config/train_gpt2.py", "config/model_7b.py", "--batch_size=1"]}
+SNAPSHOT_W = 2  # the memory snapshots LEARN.md links: 124M at this W, each backend
 BASELINE_W = 8  # the memory table's DDP row (DDP's memory per rank is the same at any W)
 TINY_MODEL = ["--n_layer=3", "--n_head=4", "--n_embd=64", "--batch_size=4", "--block_size=32", "--wrap_policy=block"]
 # the traces' model: big enough on 2 CPU cores for compute to hide communication under
@@ -174,11 +175,11 @@ class Figures:
     def result(self, name):
         return os.path.join(self.results_dir, f"{name}.json")
 
-    def save(self, name, rows, commands):
+    def save(self, name, rows, commands, **more):
         import bench
         about = bench.provenance() | {"command": " && ".join(commands), "device": bench.device_name(False)}
         with open(self.result(name), "w") as f:
-            json.dump(about | {"learn": name, "rows": rows}, f, indent=1)
+            json.dump(about | {"learn": name, "rows": rows} | more, f, indent=1)
 
     def write_commands(self):
         """commands.md: each figure's commands; a figure this run did not make keeps its section."""
@@ -215,6 +216,7 @@ def memory(fig):
                   "1.3B": (MODELS["1.3B"], [1, 2, 4, 8, 64], {}),
                   "7B": (MODELS["7B"], [1, 2, 4, 8, 64], {64: "fsdp"})}
     rows, plans, timeline_json = [], os.path.join(fig.work, "plan.json"), os.path.join(fig.work, "timeline.json")
+    snapshots = []
     for model, (settings, worlds, drawn) in models.items():
         shape = training.settings(settings)
         shape["vocab_size"] = training.vocab_size(shape)
@@ -229,14 +231,23 @@ def memory(fig):
                 argv = ["plan.py", *settings, f"--nproc={w}", f"--gradient_accumulation_steps={w}", f"--json={plans}"]
                 argv += [f"--dist_backend={backend}"] * (backend is not None)
                 argv += [f"--timeline_json={timeline_json}"] * (w in drawn)
+                snapshot = drawn.get(w) == "all" and w == SNAPSHOT_W
+                if snapshot:  # (plan.py names one file per backend: STEM-ddp.pickle, ...)
+                    os.makedirs(os.path.join(fig.figures_dir, "memory_viz"), exist_ok=True)
+                    argv.append(f"--snapshot={os.path.join(fig.figures_dir, 'memory_viz', f'{model}-w{w}.pickle')}")
                 fig.run(["memory-by-w"] + [name] * (w in drawn), argv)
                 rows += [dict(r, model=model, parameters=parameters) for r in json.load(open(plans))]
+                if snapshot:
+                    snapshots += [{"backend": r["backend"], "file": f"memory_viz/{model}-w{w}-{r['backend']}.pickle",
+                                   "bytes": os.path.getsize(os.path.join(fig.figures_dir, "memory_viz",
+                                                                         f"{model}-w{w}-{r['backend']}.pickle"))}
+                                  for r in json.load(open(plans))]
                 if w in drawn:
                     timelines += json.load(open(timeline_json))
             if timelines:
                 planner.draw_timelines(timelines, dict(shape, dtype="bfloat16"), fig.figure(name), decimal=True,
                                        title=f"GPT {model} at W={w}: rank 0's allocated memory over two planned steps")
-    fig.save("memory-by-w", rows, fig.commands["memory-by-w"])
+    fig.save("memory-by-w", rows, fig.commands["memory-by-w"], snapshots=snapshots)
 
 
 def render_memory_by_w(result):
@@ -267,6 +278,11 @@ def render_memory_by_w(result):
               "communication holds the collectives' buffers.",
               "At the end of backward every gradient is reduced to its shard: the state columns show the division by W."]
     return lines
+
+
+def render_snapshots(result):
+    """The memory snapshots plan.py wrote, a link per backend."""
+    return [f"- [{s['backend']}](figures/{s['file']}), {s['bytes'] / 1e3:.0f} KB" for s in result.get("snapshots", [])]
 
 
 def render_comm_formula(result):
@@ -526,6 +542,18 @@ def render_unit_sizes(result):
               f"{result['device']}, {result['torch']}, commit {result['commit']}.",
               "Gathered MB: the gathered parameters live at the peak. Peak: plan.py's, the allocator's bytes. "
               "Step: bench.py's median of 3 repeats."]
+    by_unit = {r["unit"]: r for r in result["rows"]}
+    with_, without = by_unit.get("1 block"), by_unit.get("1 block, no prefetch")
+    if with_ and without:
+        more = {role: with_["peak_made_of"][role] - without["peak_made_of"][role] for role in with_["peak_made_of"]}
+        lines += ["", f"Prefetch's memory: it raises the planned peak by "
+                      f"{(with_['peak_allocated_bytes'] - without['peak_allocated_bytes']) / 1e6:.1f} MB, "
+                      f"where one block gathers {BLOCK_PARAMS * 4 / 1e6:.1f} MB in float32.",
+                  "By role at the two peaks: " + ", ".join(f"{role.replace('_', ' ')} {mb / 1e6:+.1f} MB"
+                                                          for role, mb in more.items() if abs(mb) >= 0.05e6) + "."]
+        if with_["peak_at"] != without["peak_at"]:
+            lines.append(f"The peak also moves, from {without['peak_at'].removeprefix('step 2 ')} to "
+                         f"{with_['peak_at'].removeprefix('step 2 ')}: one unit earlier, where more is alive.")
     return lines
 
 
@@ -715,10 +743,10 @@ def render_time_model(_):
 
 RENDER = {"memory-by-w": render_memory_by_w, "comm-formula": render_comm_formula, "trace-figures": render_traces,
           "collectives": render_collectives, "step-time": render_step_time, "weak-scaling": render_weak_scaling,
-          "time-model": render_time_model, "unit-sizes": render_unit_sizes}
+          "time-model": render_time_model, "unit-sizes": render_unit_sizes, "snapshots": render_snapshots}
 SOURCES = {"memory-by-w": "memory-by-w", "comm-formula": "memory-by-w", "trace-figures": "traces",
            "collectives": "collectives", "step-time": os.path.join("..", STEP_TIME), "weak-scaling": "weak-scaling",
-           "time-model": None, "unit-sizes": "unit-sizes"}
+           "time-model": None, "unit-sizes": "unit-sizes", "snapshots": "memory-by-w"}
 
 
 def render(doc, results_dir, missing_ok=False):

@@ -44,6 +44,9 @@ def test_the_small_form_makes_each_kind_of_figure_and_fills_its_tables(char_data
     peaks = [f"{r['peak_allocated_bytes'] / 1e9:.2f}" for r in rows["rows"] if r["backend"] == "custom_fsdp"]
     assert [line.split(" | ")[4] for line in table] == peaks
     assert any(line.startswith("| tiny | ddp | 2 |") for line in filled["memory-by-w"])  # the baseline
+    assert [x["backend"] for x in rows["snapshots"]] == ["ddp", "fsdp", "custom_fsdp"]  # (memory_viz's, linked)
+    assert all((figures / x["file"]).stat().st_size == x["bytes"] for x in rows["snapshots"])
+    assert len(filled["snapshots"]) == 3
     traces = json.loads((results / "traces.json").read_text())["rows"]
     assert [(r["schedule"], r["backend"]) for r in traces] == [("zero3", "custom_fsdp")]
     with gzip.open(figures / "perfetto" / "zero3-custom_fsdp.json.gz", "rt") as f:  # (Perfetto opens it as is)

@@ -453,3 +453,50 @@ def test_no_batch_fits_where_the_context_and_nccl_alone_take_more():
     """A GPU whose memory the CUDA context and NCCL's buffers exceed: no batch fits, answered at once."""
     settings = {"batch_size": 4}
     assert planner.largest_batch(settings, "ddp", 2, 0, row={}, second={}, limit=-1) == 0
+
+
+def test_the_snapshot_is_the_cuda_models_replay_as_pytorch_reads_it(tmp_path, data):
+    """plan.py --snapshot writes the CUDA model's replay as torch.cuda.memory._snapshot() gives one:
+    PyTorch's own reader takes it on a machine without CUDA (stats, trace); its events add up to the
+    plan's allocated peak and its segments to the reserve; what is allocated at the end is what its
+    segments hold; each allocation names its storage's role and the moment, cuBLAS's workspaces first."""
+    path, out = tmp_path / "memory.pickle", tmp_path / "plan.json"
+    tiny = ["--n_layer=2", "--n_head=2", "--n_embd=32", "--block_size=16", "--batch_size=2"]
+    res = new_interpreter([sys.executable, REPO / "plan.py", "--dist_backend=custom_fsdp", "--nproc=2", *tiny,
+                           f"--data_dir={data}", f"--snapshot={path}", f"--json={out}"], timeout=120)
+    assert res.returncode == 0, res.describe()
+    assert f"memory snapshot of custom_fsdp at W=2, rank 0: {path}" in res.stdout
+    (row,) = json.loads(out.read_text())
+    from concurrent.futures import ThreadPoolExecutor
+    with ThreadPoolExecutor(2) as pool:  # (the two readers side by side: each spends a second importing torch)
+        reads = list(pool.map(lambda command: new_interpreter(
+            [sys.executable, "-m", "torch.cuda._memory_viz", command, path], timeout=60), ("stats", "trace")))
+    for read in reads:
+        assert read.returncode == 0 and read.stdout, read.describe()
+    assert "total_reserved" in reads[0].stdout and "cudaMalloc" in reads[1].stdout
+    import pickle
+    assert path.read_bytes()[:2] == b"\x80\x04"  # (protocol 4: pytorch.org/memory_viz reads 2 to 4)
+    snapshot = pickle.loads(path.read_bytes())
+    (events,) = snapshot["device_traces"]
+    assert [e["time_us"] for e in events] == sorted({e["time_us"] for e in events})
+    allocated = peak = 0
+    live = {}
+    for e in events:
+        if e["action"] == "alloc":
+            allocated += e["size"]
+            peak = max(peak, allocated)
+            live[e["addr"]] = e["size"]
+        elif e["action"] == "free_completed":
+            allocated -= live.pop(e["addr"])
+    assert peak == row["cuda_allocated_bytes"]
+    assert sum(s["total_size"] for s in snapshot["segments"]) == row["reserved_bytes"]
+    held = {b["address"]: b["size"] for s in snapshot["segments"] for b in s["blocks"]
+            if b["state"] == "active_allocated"}
+    assert held == live  # (the viewer takes a held block whose alloc it did not see as made before the trace)
+    allocs = [e for e in events if e["action"] == "alloc"]
+    roles = [f["filename"].removeprefix("role: ") for e in allocs for f in e["frames"]
+             if f["filename"].startswith("role: ")]
+    assert len(roles) == len(allocs) and set(roles) <= {*planner.ROLES, "cublas_workspace"}, set(roles)
+    assert roles[:planner.CUBLAS_WORKSPACES] == ["cublas_workspace"] * planner.CUBLAS_WORKSPACES
+    assert {"activations", "parameters", "gradients", "optimizer_state", "gathered_parameters"} <= set(roles)
+    assert any(f["name"].startswith("step 2 backward 0 @ h.") for e in allocs for f in e["frames"])
