@@ -268,13 +268,15 @@ def device_name(cuda):
 
 def git_commit(folder=HERE):
     """The short commit of the checkout `folder` is in, '-dirty' after it with uncommitted changes
-    to tracked files but results/ (measurements, which a run of several benches rewrites as it goes);
+    to tracked files but results/ and docs/figures/ (measurements and their figures, which a run of
+    several benches, or figures.py, rewrites as it goes);
     without git or a repository, $BENCH_COMMIT (a copy's, such as a lent GPU's), else None."""
     def git(*args):
         return subprocess.run(["git", *args], cwd=folder, capture_output=True, text=True, check=True).stdout.strip()
     try:
         return git("rev-parse", "--short", "HEAD") + ("-dirty" if git("status", "--porcelain", "--untracked-files=no",
-                                                                      "--", ".", ":(exclude)results")
+                                                                      "--", ".", ":(exclude)results",
+                                                                      ":(exclude)docs/figures")
                                                       else "")
     except (OSError, subprocess.CalledProcessError):
         return os.environ.get("BENCH_COMMIT")

@@ -399,7 +399,9 @@ def test_commit_is_the_short_head_and_dirty_with_changes_to_tracked_files(tmp_pa
     (tmp_path / "a.py").write_text("1\n")
     (tmp_path / "results").mkdir()
     (tmp_path / "results" / "r.json").write_text("{}\n")
-    git("add", "a.py", "results/r.json")
+    (tmp_path / "docs" / "figures").mkdir(parents=True)
+    (tmp_path / "docs" / "figures" / "f.png").write_text("png\n")
+    git("add", "a.py", "results/r.json", "docs/figures/f.png")
     git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "a")
     head = git("rev-parse", "--short", "HEAD")
     assert bench.git_commit(tmp_path) == head
@@ -407,6 +409,8 @@ def test_commit_is_the_short_head_and_dirty_with_changes_to_tracked_files(tmp_pa
     assert bench.git_commit(tmp_path) == head  # (an untracked file changes no result)
     (tmp_path / "results" / "r.json").write_text('{"rewritten": 1}\n')
     assert bench.git_commit(tmp_path) == head  # (nor a result that an earlier bench of the same run wrote)
+    (tmp_path / "docs" / "figures" / "f.png").write_text("redrawn\n")
+    assert bench.git_commit(tmp_path) == head  # (nor a figure figures.py drew before its benches)
     (tmp_path / "a.py").write_text("2\n")
     assert bench.git_commit(tmp_path) == head + "-dirty"
     with mock.patch.object(subprocess, "run", side_effect=FileNotFoundError("git")):
