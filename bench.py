@@ -381,7 +381,7 @@ def bench_backends(args, extra):
             results[b].append(summarize_run(run_train(b, args.nproc, out, args.steps, extra), split_row(b)[0]))
             progress(f"  repeat {rep + 1}/{args.repeats} {b}: {results[b][-1]['step_ms']:.1f} ms/step")
     table = {b: median_of(runs) | {"exposed_comm_ms": None, "comm_ms": None, "hidden_fraction": None,
-                                   "exposed_by_place": None} | predicted.get(b, {}) for b, runs in results.items()}
+                                   "profiled_step_ms": None, "exposed_by_place": None} | predicted.get(b, {}) for b, runs in results.items()}
     for b in args.backends if args.exposed else ():  # one profiled run each: exposed communication
         progress(f"  profiled run {b}")
         out = run_dir(args, b, "profile")
@@ -389,7 +389,7 @@ def bench_backends(args, extra):
         trace = overlap.load(os.path.join(out, "traces", split_row(b)[0], "rank0.json"))
         s = overlap.summarize(overlap.analyse(trace))
         table[b] |= {"exposed_comm_ms": s.get("exposed_ms"), "comm_ms": s.get("comm_ms"),
-                     "hidden_fraction": s.get("hidden_fraction"),
+                     "hidden_fraction": s.get("hidden_fraction"), "profiled_step_ms": s.get("step_ms"),
                      "exposed_by_place": overlap.exposed_by_place(trace, overlap.TOP_PLACES)}
     paired = paired_step_ratios(results)
     print(f"\n{','.join(args.backends)} on {args.nproc} process(es), {args.repeats} repeat(s) of {args.steps} steps "

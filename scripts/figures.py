@@ -270,8 +270,8 @@ def render_memory_by_w(result):
                          f"{gb(r['peak_allocated_bytes'])} | {ratio} | {r['peak_at'].removeprefix('step 2 ')} | {gb(state)} | "
                          f"{gb(peak['gathered_parameters'])} | {gb(peak['activations'])} | "
                          f"{gb(peak['communication'] + peak['other'])} | " + " | ".join(gb(end.get(k, 0)) for k in STATE_ROLES) + " |")
-    lines += ["", "GB per rank, rank 0, bfloat16 compute, each rank one micro-step of the model's batch (2 x 1024 tokens "
-              "for 124M, 1 x 1024 for the others).",
+    lines += ["", "GB per rank, rank 0, bfloat16 compute, each rank one micro-step of the model's batch: "
+              "2 x 1024 tokens for 124M, 1 x 1024 for 1.3B, 1 x 2048 for 7B.",
               "state: parameters, gradients and Adam's moments, 16 bytes a parameter, which FSDP divides by W; "
               "DDP holds all of it.",
               "At the peak, the moment the most bytes are live, the state counts only the gradients alive then; "
@@ -303,7 +303,7 @@ def render_comm_formula(result):
             + f" | {r['comm_bus_bytes_per_step'] / 1e9:.3f} | {bus / 1e9:.3f} |")
     lines += ["", "GB per rank and step, as the plan counts them, beside the formula; bfloat16 gathers, float32 reductions.",
               "FSDP gathers less than its formula: train.py keeps the root and the last unit gathered from forward "
-              "to backward,", "since their backward comes first (`backends.py`).",
+              "to backward, since their backward comes first (`backends.py`).",
               "The loss's all-reduce is the few bytes in the FSDP rows' all-reduce column."]
     example = next((r for r in result["rows"] if r["model"] == "124M" and r["nproc"] == 8
                     and r["backend"] == "custom_fsdp"), None)
@@ -370,7 +370,7 @@ def render_traces(result):
     """Each schedule's figure and caption; then the overlap of every drawn step, from traces.json."""
     lines = []
     for name, title, caption, _ in SCHEDULES:
-        lines += [f"![{title}](figures/trace-{name}.png)", "", f"**{title}.** {caption}", ""]
+        lines += [f"![{title}](figures/trace-{name}.png)\\", f"**{title}.** {caption}", ""]
     if result:
         lines += ["| schedule | backend | step ms | communication ms | exposed ms | hidden | Perfetto |",
                   "|---|---|---:|---:|---:|---:|---|"]
@@ -438,22 +438,29 @@ def step_time(fig):
 def render_step_time(result):
     """Each row's median step, its ratio to the first row's, its peak, its communication and the
     share of the step it left exposed; then what prefetch buys each backend."""
-    lines = ["| row | step ms | x ddp | peak MB (RSS) | comm MB/step | exposed comm ms | exposed, % of step | hidden |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| row | step ms | x ddp | peak MB (RSS) | comm MB/step | profiled step ms | comm ms | exposed ms | "
+             "exposed, % of step | hidden |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     rows = result["backends"]
     base = next(iter(rows.values()))["step_ms"]
     for name, r in rows.items():
+        profiled = r.get("profiled_step_ms")
+
+        def ms(key):
+            return "-" if r.get(key) is None else f"{r[key]:.0f}"
+        share = f"{r['exposed_comm_ms'] / profiled:.0%}" if profiled and r.get("exposed_comm_ms") is not None else "-"
         hidden = "-" if r.get("hidden_fraction") is None else f"{r['hidden_fraction']:.0%}"
-        exposed = "-" if r.get("exposed_comm_ms") is None else f"{r['exposed_comm_ms']:.0f}"
-        share = "-" if r.get("exposed_comm_ms") is None else f"{r['exposed_comm_ms'] / r['step_ms']:.0%}"
         lines.append(f"| {name} | {r['step_ms']:.0f} | {r['step_ms'] / base:.2f} | {r['peak_mem_mb'] * 2**20 / 1e6:,.0f} | "
-                     f"{r['comm_mb'] * 2**20 / 1e6:.1f} | {exposed} | {share} | {hidden} |")
+                     f"{r['comm_mb'] * 2**20 / 1e6:.1f} | {ms('profiled_step_ms')} | {ms('comm_ms')} | "
+                     f"{ms('exposed_comm_ms')} | {share} | {hidden} |")
     speedups = [f"{b}: {rows[f'{b}:prefetch=False']['step_ms'] / rows[b]['step_ms']:.2f}x" for b in ("fsdp", "custom_fsdp")
                 if b in rows and f"{b}:prefetch=False" in rows]
     lines += ["", f"{result['device']}, {result['torch']}, commit {result['commit']}, median of {result['repeats']} "
               f"repeats of {result['steps']} steps: `{result['command']}`.",
               "57M parameters, float32 on CPU, so gathers move 4 bytes a parameter, not bfloat16's 2.",
-              "Exposed communication comes from one more, profiled run per row; peak is the largest rank's resident memory.",
+              "Peak: the largest rank's resident memory. The profiled columns come from one more run per row, "
+              "its steps 2 to 4 profiled:",
+              "the profiler slows the step, and one run on this shared machine is noisy, so compare their shares, "
+              "not their ms, with the step.",
               "DDP's all-reduce runs in its C++ reducer, out of the counters' sight: its bytes are its gradients' size."]
     if speedups:
         lines.append("Prefetch's speedup, the step without it over the step with it: " + ", ".join(speedups) + ".")
@@ -532,16 +539,26 @@ def unit_sizes(fig):
 
 
 def render_unit_sizes(result):
-    lines = ["| unit | gathered MB per unit | planned peak MB | peak at | all-gather MB/step | step ms (CPU) |",
-             "|---|---:|---:|---|---:|---:|"]
+    def mb(n):
+        return f"{n / 1e6:.1f}"
+    lines = ["| unit | unit MB | planned peak MB | peak at | at the peak: gathered MB | communication MB | "
+             "all-gather MB/step | step ms (CPU) |", "|---|---:|---:|---|---:|---:|---:|---:|"]
     for r in result["rows"]:
-        lines.append(f"| {r['unit']} | {r['peak_made_of']['gathered_parameters'] / 1e6:.1f} | "
-                     f"{r['peak_allocated_bytes'] / 1e6:.1f} | {r['peak_at'].removeprefix('step 2 ')} | "
-                     f"{r['comm_bytes_per_step'].get('all_gather', 0) / 1e6:.1f} | {r['step_ms']:.0f} |")
+        settings = dict(kv.split("=") for kv in r["settings"])
+        unit = (4 * r["state_bytes"] * r["nproc"] / 16 if settings["wrap_policy"] == "model" else
+                4 * BLOCK_PARAMS * (int(settings["min_wrap_params"]) // BLOCK_PARAMS if "min_wrap_params" in settings else 1))
+        made = r["peak_made_of"]
+        lines.append(f"| {r['unit']} | {mb(unit)} | {mb(r['peak_allocated_bytes'])} | {r['peak_at'].removeprefix('step 2 ')} | "
+                     f"{mb(made['gathered_parameters'])} | {mb(made['communication'])} | "
+                     f"{mb(r['comm_bytes_per_step'].get('all_gather', 0))} | {r['step_ms']:.0f} |")
     lines += ["", f"custom_fsdp at W=2, the traces' model (57M parameters, float32), 2 micro-steps per rank; "
               f"{result['device']}, {result['torch']}, commit {result['commit']}.",
-              "Gathered MB: the gathered parameters live at the peak. Peak: plan.py's, the allocator's bytes. "
-              "Step: bench.py's median of 3 repeats."]
+              "Unit MB: a unit's parameters in float32, what one gather delivers. Peak: plan.py's, the allocator's bytes. "
+              "Step: bench.py's median of 3 repeats.",
+              "Communication at the peak is what collectives hold in flight: reduce-scatter inputs (unsharded gradients) "
+              "and gathers' outputs,",
+              "each with gloo's own buffer beside it (`GlooBuffers` in `planner/counting.py`); NCCL needs no such buffers.",
+              "Larger units hold more in flight at once, so the peak grows faster than the unit."]
     by_unit = {r["unit"]: r for r in result["rows"]}
     with_, without = by_unit.get("1 block"), by_unit.get("1 block, no prefetch")
     if with_ and without:
