@@ -457,7 +457,7 @@ def render_step_time(result):
     lines += ["", f"{result['device']}, {result['torch']}, commit {result['commit']}, median of {result['repeats']} "
               f"repeats of {result['steps']} steps: `{result['command']}`.",
               "57M parameters, float32 on CPU, so gathers move 4 bytes a parameter, not bfloat16's 2.",
-              "Peak: the largest rank's resident memory. The profiled columns come from one more run per row, "
+              "Peak: the largest rank's resident memory (IMPLEMENTATION.md prints this run in MiB). The profiled columns come from one more run per row, "
               "its steps 2 to 4 profiled:",
               "the profiler slows the step, and one run on this shared machine is noisy, so compare their shares, "
               "not their ms, with the step.",
