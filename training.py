@@ -199,13 +199,13 @@ def train_step(s, back, model, optimizer, local_steps, batch, iter_num, rank, ti
     loss_sum = torch.zeros((), device=s["device"])
     for micro_step in range(local_steps):
         k = rank * local_steps + micro_step  # global micro-batch index
+        mark(f"forward {micro_step}")  # (the batch is the forward's: its tokens live to the step's end)
         with timed("batch"):
             X, Y = batch(iter_num, k)
         with timed("forward_backward"):
             if s["dropout"]:  # (host time per micro-step: not paid where nothing draws)
                 seed_dropout(s, iter_num, k)  # dropout masks, fixed like the data
             back.set_grad_sync(model, micro_step == local_steps - 1)
-            mark(f"forward {micro_step}")
             with back.autocast():
                 # [1]: keep the loss, drop the logits (at GPT-2 size 1.2 GB that would otherwise
                 # stay alive through the next micro-step's forward)

@@ -152,8 +152,7 @@ LANE_OF = {"compute": "compute", "all_gather": "all-gather", "reduce_scatter": "
 def lanes(bars, seconds, device):
     """The replayed step as overlap.py draws a profiled one, in ms from its start: each lane's
     intervals (compute's merged across the host's gap between two ops), the exposed ones, and where
-    each phase begins ("forward 0", "backward 0", "optimizer", ...: the plan's marks; the batch's
-    few ops before the first forward are no phase)."""
+    each phase begins ("forward 0", "backward 0", "optimizer", ...: the plan's marks)."""
     out = {lane: [] for lane in dict.fromkeys(LANE_OF.values())}
     exposed, phases, gap = [], [], device.op_seconds * 1e3 * 1.01
     for lane, start, end, where in bars:
