@@ -90,13 +90,18 @@ def _is_comm(e):
     return any(mark in e["name"] for mark in COMM_MARKS)
 
 
+def _events_and_steps(trace):
+    """The trace's complete events, and its ProfilerStep ranges in time order (on GPU the profiler
+    repeats each range on the GPU's timeline, as a gpu_user_annotation: the host's are taken)."""
+    events = [e for e in trace["traceEvents"] if e.get("ph") == "X" and "dur" in e]
+    return events, sorted((e for e in events if e["name"].startswith("ProfilerStep#")
+                           and e.get("cat") != "gpu_user_annotation"), key=lambda e: e["ts"])
+
+
 def _timelines(trace):
     """(steps, the events exposed communication is attributed to, communication, compute); the
     last two as merged intervals."""
-    events = [e for e in trace["traceEvents"] if e.get("ph") == "X" and "dur" in e]
-    # (on GPU the profiler repeats each range on the GPU's timeline, as a gpu_user_annotation)
-    steps = sorted((e for e in events if e["name"].startswith("ProfilerStep#")
-                    and e.get("cat") != "gpu_user_annotation"), key=lambda e: e["ts"])
+    events, steps = _events_and_steps(trace)
     kernels = [e for e in events if e.get("cat") == "kernel"]
     if kernels:  # GPU
         busy = {}
@@ -195,7 +200,7 @@ def lanes(trace, step=None):
     if not steps:
         return [], out, []
     t0, main = steps[0]["ts"], steps[0]["tid"]
-    events = [e for e in trace["traceEvents"] if e.get("ph") == "X" and "dur" in e]
+    events = _events_and_steps(trace)[0]
     on_main = [e for e in events if e["tid"] == main]
     ranges = [e for e in on_main if e.get("cat") == "user_annotation" and "::" in e["name"]]
     issued = {lane: [] for lane in (1, 2)}
@@ -223,9 +228,7 @@ def phases(trace, step=None):
     """[(ms, phase)]: where each of the step's phases begins ("forward 0", "backward 0", "clip",
     "optimizer", "zero_grad": train.py's phase ranges), in ms from the first profiled step's start,
     or with `step` from that step's. On a GPU the ranges' copies on the GPU's timeline, where there."""
-    events = [e for e in trace["traceEvents"] if e.get("ph") == "X" and "dur" in e]
-    steps = sorted((e for e in events if e["name"].startswith("ProfilerStep#")
-                    and e.get("cat") != "gpu_user_annotation"), key=lambda e: e["ts"])
+    events, steps = _events_and_steps(trace)
     if step is not None:
         steps = [s for s in steps if s["name"] == f"ProfilerStep#{step}"]
     if not steps:
