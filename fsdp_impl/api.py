@@ -61,12 +61,6 @@ def _mesh_for(mesh):
     return _default_mesh[1]
 
 
-def _offloads(policy):
-    """Whether an offload policy (ours or torch's) moves the shards to CPU memory: CPUOffloadPolicy,
-    by its pin_memory field; the base OffloadPolicy() does not."""
-    return policy is not None and hasattr(policy, "pin_memory")
-
-
 def _check(modules, mesh):
     """Refuse at once what FSDP2 refuses, with its exception types."""
     if mesh.ndim not in (1, 2):
@@ -104,7 +98,7 @@ def fully_shard(module: Union[nn.Module, list[nn.Module]], *, mesh: Optional[Dev
     mesh = _mesh_for(mesh)
     modules = list(module) if isinstance(module, (list, tuple)) else [module]
     _check(modules, mesh)
-    if not _offloads(offload_policy) or mesh.device_type == "cpu":
+    if not hasattr(offload_policy, "pin_memory") or mesh.device_type == "cpu":  # (CPUOffloadPolicy's, ours or torch's)
         offload_policy = None  # nothing to move: no policy, the base one, or a CPU mesh
     unit = ShardedUnit(modules, mesh, reshard_after_forward, mp_policy, offload_policy, ignored_params or (),
                        shard_placement_fn)
@@ -351,9 +345,7 @@ class FSDPModule:
         for unit in self._units(recurse=False):
             unit.knobs.gradient_divide_factor = factor
 
-    def set_reduce_scatter_divide_factor(self, factor: float) -> None:
-        """set_gradient_divide_factor's older name, as in FSDP2."""
-        self.set_gradient_divide_factor(factor)
+    set_reduce_scatter_divide_factor = set_gradient_divide_factor  # (its older name, as in FSDP2)
 
     def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
         """Reduce with SUM only, dividing before or after the collectives (NCCL's zero-copy

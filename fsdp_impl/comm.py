@@ -62,18 +62,11 @@ def profiled(name):
 
 
 def begin_range(name):
-    """Open a named profiler range that a later hook closes with end_range(): a unit's forward or
-    backward spans two hooks, so it cannot be a `with` block. None when no profiler is running."""
-    if not torch.autograd.profiler._is_profiler_enabled:
-        return None
-    profiler_range = record_function(name)
+    """Open a named profiler range (profiled) that a later hook closes with its __exit__: a unit's
+    forward or backward spans two hooks, so it cannot be a `with` block."""
+    profiler_range = profiled(name)
     profiler_range.__enter__()
     return profiler_range
-
-
-def end_range(profiler_range):
-    if profiler_range is not None:
-        profiler_range.__exit__(None, None, None)
 
 
 _OLDER_NAMES = {"all_gather_single": "all_gather_into_tensor", "reduce_scatter_single": "reduce_scatter_tensor"}

@@ -24,25 +24,18 @@ from .reduce import GradReduction, ReduceKnobs
 
 class ShardedState(StrEnum):
     """Where a unit's parameters are (`state`)."""
-    SHARDED = "sharded"
-    """Each rank holds its shard in flat_shard; the modules hold the sharded DTensors."""
-    SHARDED_POST_FORWARD = "sharded_post_forward"
-    """Resharded after forward to a smaller group: this rank also keeps its piece over that group."""
-    GATHERING = "gathering"
-    """The all-gather is in flight; wait_unshard() copies its output into flat_full."""
-    UNSHARDED = "unsharded"
-    """flat_full holds the full parameters; the modules hold views into it."""
+    SHARDED = "sharded"  # each rank holds its shard in flat_shard; the modules hold the sharded DTensors
+    SHARDED_POST_FORWARD = "sharded_post_forward"  # resharded to a smaller group: this rank keeps its piece there
+    GATHERING = "gathering"  # the all-gather is in flight; wait_unshard() copies its output into flat_full
+    UNSHARDED = "unsharded"  # flat_full holds the full parameters; the modules hold views into it
 
 
 class TrainingState(StrEnum):
     """Where a unit is in a step (`training_state`). A forward not all of whose modules ran stays
     FORWARD until the end of backward."""
-    IDLE = "idle"
-    """Between a forward and its backward, and between steps."""
-    FORWARD = "forward"
-    """From its pre-forward to its post-forward."""
-    PRE_BACKWARD = "pre_backward"
-    """From its outputs' first grad to its post-backward."""
+    IDLE = "idle"  # between a forward and its backward, and between steps
+    FORWARD = "forward"  # from its pre-forward to its post-forward
+    PRE_BACKWARD = "pre_backward"  # from its outputs' first grad to its post-backward
 
 
 SHARDED, SHARDED_POST_FORWARD, GATHERING, UNSHARDED = ShardedState
@@ -107,7 +100,7 @@ class ShardedUnit:
         self._gather = None  # Gather, while GATHERING
         self._group_shard = None  # after forward with post_forward_size: this rank's piece over that group
         self.grads = None  # GradReduction, from lazy init: the gradients' way to the sharded .grads
-        self._phase_range = None  # profiler range of this unit's forward or backward, while open
+        self._phase_range = comm.NOTHING  # profiler range of this unit's forward or backward, while open
         self._shard()
         self._move_buffers()
         if self.post_forward_size:
@@ -372,8 +365,7 @@ class ShardedUnit:
         return shard, (per_param, dtype)
 
     def wait_unshard(self):
-        if self.state in (SHARDED, SHARDED_POST_FORWARD):
-            self.unshard()
+        self.unshard()  # (nothing to do unless sharded)
         if self.state == GATHERING:
             self._finish_gather()
 
@@ -537,8 +529,8 @@ class ShardedUnit:
         self._phase_range = comm.begin_range(f"fsdp::backward {self.name}")
 
     def _end_phase_range(self):
-        comm.end_range(self._phase_range)
-        self._phase_range = None
+        self._phase_range.__exit__(None, None, None)
+        self._phase_range = comm.NOTHING
 
     def post_backward(self, end_of_backward=False):
         """A forward's backward is over (api.py's gate), or the whole backward is (the callback, for
