@@ -510,11 +510,10 @@ def render_weak_scaling(result):
 
 
 # ---- unit size and prefetch: plan.py's peak, bench.py's step -------------------------------------
-BLOCK_PARAMS = 7_087_872  # one block of the traces' model (width 768): its parameters
-UNIT_SIZES = [("1 block", ["wrap_policy=block"]), ("1 block, no prefetch", ["wrap_policy=block", "prefetch=False"]),
-              ("2 blocks", ["wrap_policy=size", f"min_wrap_params={2 * BLOCK_PARAMS}"]),
-              ("4 blocks", ["wrap_policy=size", f"min_wrap_params={4 * BLOCK_PARAMS}"]),
-              ("the whole model", ["wrap_policy=model"])]
+# name, blocks per unit (None: one unit for the whole model), train.py settings
+UNIT_SIZES = [("1 block", 1, ["wrap_policy=block"]), ("1 block, no prefetch", 1, ["wrap_policy=block", "prefetch=False"]),
+              ("2 blocks", 2, ["wrap_policy=size"]), ("4 blocks", 4, ["wrap_policy=size"]),
+              ("the whole model", None, ["wrap_policy=model"])]
 
 
 def unit_sizes(fig):
@@ -522,19 +521,25 @@ def unit_sizes(fig):
     measured step (bench.py, the same runs side by side)."""
     model = TINY_TRACE_MODEL if fig.small else TRACE_MODEL
     common = [*model, "--gradient_accumulation_steps=2", f"--data_dir={fig.data_dir}"]
-    rows, path = [], os.path.join(fig.work, "unit.json")
-    for name, settings in UNIT_SIZES:
+    shape = training.settings(common)
+    shape["vocab_size"] = training.vocab_size(shape)
+    gpt = planner.meta_model(shape)
+    block, whole = (sum(p.numel() for p in m.parameters()) for m in (gpt.transformer.h[0], gpt))
+    rows, path, runs = [], os.path.join(fig.work, "unit.json"), []
+    for name, blocks, settings in UNIT_SIZES:
+        if "wrap_policy=size" in settings:
+            settings = settings + [f"min_wrap_params={blocks * block}"]
         fig.run(["unit-sizes"], ["plan.py", "--device=cpu", "--dist_backend=custom_fsdp", "--nproc=2", "--dtype=float32",
                                  *common, *[f"--{kv}" for kv in settings], f"--json={path}"])
         (row,) = json.load(open(path))
-        rows.append(dict(row, unit=name, settings=settings))
+        rows.append(dict(row, unit=name, settings=settings, unit_bytes=4 * (blocks * block if blocks else whole)))
+        runs.append("custom_fsdp:" + ":".join(settings))
     bench_path = os.path.join(fig.work, "unit-bench.json")
-    fig.run(["unit-sizes"], ["bench.py", "--backends=" + ",".join("custom_fsdp:" + ":".join(s) for _, s in UNIT_SIZES),
-                             "--nproc=2", f"--repeats={1 if fig.small else 3}", "--steps=6", "--exposed=False",
-                             "--device=cpu", *common, f"--json={bench_path}"])
+    fig.run(["unit-sizes"], ["bench.py", "--backends=" + ",".join(runs), "--nproc=2", f"--repeats={1 if fig.small else 3}",
+                             "--steps=6", "--exposed=False", "--device=cpu", *common, f"--json={bench_path}"])
     measured = json.load(open(bench_path))
-    for row, (_, settings) in zip(rows, UNIT_SIZES):
-        row["step_ms"] = measured["backends"]["custom_fsdp:" + ":".join(settings)]["step_ms"]
+    for row, run in zip(rows, runs):
+        row["step_ms"] = measured["backends"][run]["step_ms"]
     fig.save("unit-sizes", rows, fig.commands["unit-sizes"])
 
 
@@ -544,11 +549,8 @@ def render_unit_sizes(result):
     lines = ["| unit | unit MB | planned peak MB | peak at | at the peak: gathered MB | communication MB | "
              "all-gather MB/step | step ms (CPU) |", "|---|---:|---:|---|---:|---:|---:|---:|"]
     for r in result["rows"]:
-        settings = dict(kv.split("=") for kv in r["settings"])
-        unit = (4 * r["state_bytes"] * r["nproc"] / 16 if settings["wrap_policy"] == "model" else
-                4 * BLOCK_PARAMS * (int(settings["min_wrap_params"]) // BLOCK_PARAMS if "min_wrap_params" in settings else 1))
         made = r["peak_made_of"]
-        lines.append(f"| {r['unit']} | {mb(unit)} | {mb(r['peak_allocated_bytes'])} | {r['peak_at'].removeprefix('step 2 ')} | "
+        lines.append(f"| {r['unit']} | {mb(r['unit_bytes'])} | {mb(r['peak_allocated_bytes'])} | {r['peak_at'].removeprefix('step 2 ')} | "
                      f"{mb(made['gathered_parameters'])} | {mb(made['communication'])} | "
                      f"{mb(r['comm_bytes_per_step'].get('all_gather', 0))} | {r['step_ms']:.0f} |")
     lines += ["", f"custom_fsdp at W=2, the traces' model (57M parameters, float32), 2 micro-steps per rank; "
@@ -565,7 +567,7 @@ def render_unit_sizes(result):
         more = {role: with_["peak_made_of"][role] - without["peak_made_of"][role] for role in with_["peak_made_of"]}
         lines += ["", f"Prefetch's memory: it raises the planned peak by "
                       f"{(with_['peak_allocated_bytes'] - without['peak_allocated_bytes']) / 1e6:.1f} MB, "
-                      f"where one block gathers {BLOCK_PARAMS * 4 / 1e6:.1f} MB in float32.",
+                      f"where one block gathers {with_['unit_bytes'] / 1e6:.1f} MB in float32.",
                   "By role at the two peaks: " + ", ".join(f"{role.replace('_', ' ')} {mb / 1e6:+.1f} MB"
                                                           for role, mb in more.items() if abs(mb) >= 0.05e6) + "."]
         if with_["peak_at"] != without["peak_at"]:
