@@ -316,12 +316,13 @@ def predictions(args, extra):
     import training
     from planner import calibrate, timing
     from planner.step import busbw
-    out = {}
+    out, figures = {}, None
     for b in args.backends:
         s = training.settings(train_args(b, args.nproc, run_dir(args, b, "plan"), args.steps, extra))
         s["vocab_size"], s["compile"] = training.vocab_size(s), False  # (compiled kernels: planned as eager)
-        if s["device"] == "cpu":
-            device = calibrate.cpu(args.nproc, calibrate.figures())
+        if s["device"] == "cpu":  # (each rank of run_train's runs one thread, unless OMP_NUM_THREADS says more)
+            figures = figures or calibrate.figures()
+            device = calibrate.cpu(args.nproc, figures, threads=int(os.environ.get("OMP_NUM_THREADS", "1")))
         else:
             import torch
             name = next((g for g in timing.GPU_PEAKS if g in torch.cuda.get_device_name().lower()), None)

@@ -7,8 +7,10 @@ Will it fit? Each rank's memory for a train.py run, planned on one CPU, before a
 It takes train.py's config files and --key=value settings, plus its own: --nproc (world sizes,
 comma-separated), --rank (default: rank 0, whose shards are the largest), --gpu (a100, h100, h200)
 or --gpu_mem_gib (whether it fits, and the largest batch that does), --busbw_gbps (the bus bandwidth
-the communication time is projected at), --json (one row per backend and world size) and --png
-(peak per rank against W). --dist_backend plans one backend; without it, all three.
+the communication time is projected at), --json (one row per backend and world size), --png
+(peak per rank against W) and --recalibrate (a CPU run's figures measured again, not cached ones).
+--dist_backend plans one backend; without it, all three. Without --dtype it plans bfloat16, or
+float32 for a --device=cpu run, as train.py takes them.
 
 For each backend and world size W it runs the real code: the model built on the meta device and
 wrapped through backends.py as train.py wraps it, then two whole training steps of train.py's own

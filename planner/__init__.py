@@ -7,7 +7,8 @@ plan.py's workings, one concern a file (plan.py's docstring says what a plan is)
     draw.py       the pictures
     snapshot.py   the CUDA model's replay as a torch.cuda.memory._snapshot() file, for memory_viz
     timing.py     the time model: each op and collective timed, the step replayed on three clocks
-    calibrate.py  this CPU's figures for the time model, measured once and cached
+    calibrate.py  this CPU's figures for the time model, measured once, checked and cached
+    opcosts.py    this CPU's cost of each op of a step, timed at its own shapes and cached
     search.py     --search: a grid of settings planned, those that fit ranked by speed
     cli.py        the command line and the table
 """

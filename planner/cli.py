@@ -19,7 +19,7 @@ from .step import Child, busbw, in_child, largest_batch, plan, second_batch
 
 PLAN_FLAGS = {"nproc": "1,2,4,8", "rank": 0, "json": "", "png": "", "gpu": "", "gpu_mem_gib": "", "busbw_gbps": "",
               "timeline": "", "timeline_json": "", "lanes_json": "", "snapshot": "",
-              "search": ""}  # plan.py's own settings, beside train.py's
+              "search": "", "recalibrate": "False"}  # plan.py's own settings, beside train.py's
 PLAN_FLAG_HELP = {
     "nproc": "world sizes to plan, comma-separated",
     "rank": "the rank planned (rank 0's shards are the largest; past a world size, rank 0 there)",
@@ -33,6 +33,7 @@ PLAN_FLAG_HELP = {
     "lanes_json": "write each timed row's predicted step as lanes to this JSON file (overlap.py --png draws it)",
     "snapshot": "write each row's CUDA model as a torch.cuda.memory._snapshot() pickle (memory_viz reads it)",
     "search": "the fastest settings that fit (--search alone: the default grid; or \"KEY=V1,V2 ...\")",
+    "recalibrate": "with --device=cpu: measure this CPU's figures and op costs again, not from the cache",
 }
 
 
@@ -40,11 +41,12 @@ ROWS_AT_ONCE = 2  # rows planned side by side: each plan runs on one core
 
 
 def print_help():
-    """plan.py's own flags, then train.py's settings as a plan takes them (bfloat16 unless given)."""
+    """plan.py's own flags, then train.py's settings as a plan takes them (bfloat16 unless given, or a CPU run)."""
     print("usage: plan.py [config files] [--key=value ...]; plan.py's own flags and their defaults:")
     for key, value in PLAN_FLAGS.items():
         print(f"  {f'--{key}={value!r}':<20} {PLAN_FLAG_HELP[key]}")
-    print("train.py's settings, as plan.py plans them (--dist_backend given: that backend only, else all three):")
+    print("train.py's settings, as plan.py plans them (--dist_backend given: that backend only, else all three;")
+    print("with --device=cpu and no --dtype, float32, as train.py runs there):")
     for key, value in dict(training.defaults(), dtype="bfloat16").items():
         print(f"  --{key}={value!r}" if isinstance(value, str) else f"  --{key}={value}")
 
@@ -60,6 +62,8 @@ def split_argv(argv):
         if key in PLAN_FLAGS:
             if arg == "--search":  # (alone: the default grid)
                 arg = "--search=all"
+            if arg == "--recalibrate":
+                arg = "--recalibrate=True"
             if "=" not in arg:  # (--json plan.json would read plan.json as a config file)
                 configurator.fail(f"{arg} takes its value after '=': {arg}=VALUE")
             own[key] = arg.partition("=")[2]
@@ -79,6 +83,9 @@ def split_argv(argv):
                     raise ValueError
             except ValueError:
                 configurator.fail(f"--{flag}={own[flag]}: give {example}")
+    if own["recalibrate"] not in ("True", "False"):
+        configurator.fail(f"--recalibrate={own['recalibrate']}: give True or False")
+    own["recalibrate"] = own["recalibrate"] == "True"
     if own["snapshot"] and not os.path.isdir(os.path.dirname(os.path.abspath(own["snapshot"]))):
         configurator.fail(f"--snapshot={own['snapshot']}: its folder does not exist")
     if own["rank"] < 0:
@@ -136,14 +143,18 @@ def main(argv):
     def given(key):  # on the command line or in a config file
         return any(a.startswith(f"--{key}=") if a.startswith("--") else key in configurator.run_file(a) for a in rest)
     settings = training.settings(rest)
-    if not given("dtype"):
-        settings["dtype"] = "bfloat16"  # (what train.py takes on the GPUs plans are for)
     gloo = given("device") and settings["device"] == "cpu"  # (a CPU run: its collectives go through gloo)
+    if not given("dtype"):  # (what train.py takes: bfloat16 on the GPUs plans are for, float32 on a CPU)
+        settings["dtype"] = "float32" if gloo else "bfloat16"
     if own["snapshot"] and own["search"]:
         configurator.fail("--snapshot writes the rows planned, --search ranks a grid: give one of them")
     if own["lanes_json"] and not (own["gpu"] or gloo):
         configurator.fail("--lanes_json is the time model's step: give --gpu, or --device=cpu for this CPU's")
-    own["cpu_figures"] = calibrate.figures() if gloo and not own["gpu"] else None  # (once, before the children)
+    if own["recalibrate"] and not (gloo and not own["gpu"]):
+        configurator.fail("--recalibrate measures this CPU for a CPU run's plan: give --device=cpu (and no --gpu)")
+    own["cpu_figures"] = calibrate.figures(own["recalibrate"]) if gloo and not own["gpu"] else None  # (once, before the children)
+    if own["cpu_figures"] is not None and (own["cpu_figures"].get("contended") or own["cpu_figures"].get("kept")):
+        print(f"warning: this CPU's figures are {calibrate.describe(own['cpu_figures'])}", file=sys.stderr)
     settings["vocab_size"] = training.vocab_size(settings)
     compiled, settings["compile"] = settings["compile"], False  # (torch.compile's kernels: not planned)
     backends = [settings["dist_backend"]] if given_backend else list(BACKENDS)

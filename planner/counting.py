@@ -372,7 +372,7 @@ def roles(model, optimizer, comm_storages):
                 role.setdefault(storage_id(p), "gathered_parameters")
                 if p.grad is not None:
                     role.setdefault(storage_id(p.grad), "gradients")
-    for bucket in getattr(model, "_planned_ddp_buckets", ()):  # DDP's gradient buckets
+    for bucket, _ in getattr(model, "_planned_ddp_buckets", ()):  # DDP's gradient buckets
         role.setdefault(storage_id(bucket), "gradients")
     for key in comm_storages:
         role.setdefault(key, "communication")

@@ -96,6 +96,7 @@ def steps(counter, settings, back, model, local_steps, fake, timed=False):
     back, model, optimizer = build_with(back, model, settings, plain_ddp=fake)
     counter.roles = lambda: roles(model, optimizer, counter.comm_storages)
     block_marks(model, counter)
+    ddp_bucket_marks(model, counter, back.world_size, local_steps)
     state = []
     for step in range(2):
         def mark(where, step=step):
@@ -118,11 +119,6 @@ def steps(counter, settings, back, model, local_steps, fake, timed=False):
                             dist.get_rank(), mark=mark)
         if step == 0:
             counter.steady = counter.allocated
-    for bucket in getattr(model, "_planned_ddp_buckets", ()):  # DDP's reducer all-reduces each bucket once a step
-        counter.count_collective("all_reduce", collective_bytes([bucket]), back.world_size)
-        if timed:
-            counter.ops.append(timing.collective_op("all_reduce", collective_bytes([bucket]), back.world_size, (), None,
-                                                    "ddp's buckets"))
     counter.snapshot_if_at_peak()
     counter.roles = None
     return state[0]
@@ -226,6 +222,7 @@ def plan(settings, backend_name, world, rank, timeline=False, gloo=False, keep_t
 def step_time(ops, device, settings):
     """The time model's answers for the planned step (timing.py) on `device`."""
     bars = []
+    device.prepare(ops)
     t = timing.replay(ops, device, bars)
     tokens = settings["gradient_accumulation_steps"] * settings["batch_size"] * settings["block_size"]
     peak = timing.peak_flops(device, settings["dtype"])
@@ -286,8 +283,44 @@ def ddp_buckets(model):
     params = [p for p in model.parameters() if p.requires_grad][::-1]
     limits = [dist._DEFAULT_FIRST_BUCKET_BYTES, 25 * 2**20]
     buckets, _ = dist._compute_bucket_assignment_by_size(params, limits, [False] * len(params))
-    model._planned_ddp_buckets = [torch.empty(sum(params[i].numel() for i in b), dtype=params[b[0]].dtype)
-                                  for b in buckets]
+    model._planned_ddp_buckets = [(torch.empty(sum(params[i].numel() for i in b), dtype=params[b[0]].dtype),
+                                   [params[i] for i in b]) for b in buckets]
+
+
+def ddp_bucket_marks(model, counter, world, local_steps):
+    """DDP's reducer at work in the micro-step that syncs gradients (the last), as its ops: each
+    gradient, once accumulated, is copied into its bucket divided by W (mul.out); a bucket whose
+    gradients are all in is all-reduced at once, so the time model overlaps it with the rest of
+    backward as DDP does; after the last, every gradient is copied back from its bucket."""
+    buckets = getattr(model, "_planned_ddp_buckets", ())
+    views, pending = {}, {}
+    for bucket, (flat, params) in enumerate(buckets):
+        offset = 0
+        for p in params:
+            views[p] = (bucket, flat[offset:offset + p.numel()].view_as(p))
+            offset += p.numel()
+
+    def accumulated(param):
+        if not counter.where.split(" @ ")[0].endswith(f"backward {local_steps - 1}"):
+            return
+        bucket, view = views[param]
+        flat, params = buckets[bucket]
+        torch.mul(param.grad, 1.0 / world, out=view)
+        waiting = pending.setdefault(bucket, set(map(id, params)))
+        waiting.discard(id(param))
+        if waiting:
+            return
+        nbytes = collective_bytes([flat])
+        counter.count_collective("all_reduce", nbytes, world)
+        if counter.ops is not None:
+            counter.ops.append(timing.collective_op("all_reduce", nbytes, world, (flat,), flat,
+                                                    f"{counter.where} (ddp's bucket {bucket})"))
+        if len(pending) == len(buckets) and not any(pending.values()):  # (the last bucket: DDP's finalize)
+            pending.clear()
+            for p, (_, view) in views.items():
+                p.grad.copy_(view)
+    for p in views:
+        p.register_post_accumulate_grad_hook(accumulated)
 
 
 def state_bytes(optimizer):

@@ -19,7 +19,9 @@ from typing import NamedTuple
 
 import torch
 from torch.utils._pytree import tree_flatten
-from torch.utils.flop_counter import flop_registry
+from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
+
+from .opcosts import signature
 
 
 class Op(NamedTuple):
@@ -34,6 +36,7 @@ class Op(NamedTuple):
     writes: frozenset
     sync: bool
     where: str
+    signature: str = None  # the op and its arguments' shapes (opcosts.py): what the CPU's op costs are keyed by
 
 
 def _tensors(tree):
@@ -45,19 +48,33 @@ def _keys(tensors):
     return frozenset(t.untyped_storage()._cdata for t in tensors if not t.is_meta)
 
 
+# CPU's attention kernels, which torch's FLOP counter does not name: the same FLOPs as the GPU's
+CPU_ATTENTION = {
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu:
+        lambda q, k, v, *args, **kwargs: sdpa_flop_count(q.shape, k.shape, v.shape),
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward:
+        lambda grad, q, k, v, *args, **kwargs: sdpa_backward_flop_count(grad.shape, q.shape, k.shape, v.shape),
+}
+
+
 def compute_op(func, args, kwargs, out, where):
     """The Op of one aten call: its FLOPs by torch's FLOP counter (matmuls, attention), its bytes as
     what it reads and writes (a view moves none; an in-place op writes what it reads)."""
-    inputs, outputs = _tensors((args, kwargs)), _tensors(out)
+    inputs, outputs, sig = _tensors((args, kwargs)), _tensors(out), signature(func, args, kwargs)
     formula = flop_registry.get(func.overloadpacket)
-    flops = formula(*args, **(kwargs or {}), out_val=out) if formula is not None else 0
-    if func.is_view:
+    if formula is not None:
+        flops = formula(*args, **(kwargs or {}), out_val=out)
+    elif func.overloadpacket in CPU_ATTENTION:
+        flops = CPU_ATTENTION[func.overloadpacket](*args, **(kwargs or {}))
+    else:
+        flops = 0
+    if sig == "free":  # (a view, or a read of metadata)
         nbytes = 0
     else:
         nbytes = sum(t.numel() * t.element_size() for t in inputs + outputs)
     dtype = outputs[0].dtype if outputs else torch.float32
     return Op("compute", flops, nbytes, dtype, 1, _keys(inputs), _keys(outputs),
-              func is torch.ops.aten._local_scalar_dense.default, where)
+              func is torch.ops.aten._local_scalar_dense.default, where, sig)
 
 
 def collective_op(kind, nbytes, group, args, out, where):
@@ -73,6 +90,17 @@ def bus_bytes(op):
     return op.nbytes * {"all_gather": share, "reduce_scatter": share, "all_reduce": 2 * share}.get(op.kind, 1)
 
 
+def interpolate(points, x):
+    """y at x on the broken line through `points` [(x, y), ...] (sorted by x); the first point's y
+    below them (a latency), the last segment's slope above them."""
+    if x <= points[0][0]:
+        return points[0][1]
+    for (x0, y0), (x1, y1) in zip(points, points[1:]):
+        if x <= x1 or (x1, y1) == points[-1]:
+            return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+    return points[0][1]  # (one point alone)
+
+
 class Device(NamedTuple):
     """What a device does per second, and what it costs the host to issue an op."""
     name: str
@@ -84,11 +112,38 @@ class Device(NamedTuple):
     comm_busbw: dict  # (kind, W) -> bytes/s, or kind -> bytes/s
     source: str
     comm_on_compute_core: bool = False  # a CPU rank with a core or less: gloo's work takes the core it computes on
+    op_costs: object = None  # a CPU's measured op costs (opcosts.OpCosts), by signature
+    cores: int = 1  # a CPU's cores (the op costs are timed with the others busy)
+    comm_points: dict = None  # a CPU's measured collectives beside compute: kind -> [(bus bytes, seconds), ...]
+    comm_idle_points: dict = None  # the same, with the cores otherwise idle
+    comm_takes: float = 1.0  # with comm_on_compute_core: the share of compute's core a collective takes
 
     def flops_per_second(self, dtype):
         return self.matmul_flops.get(dtype, self.matmul_flops[torch.float32])
 
-    def collective_seconds(self, op):
+    def comm_speed_beside_compute(self, op):
+        """The share of its own speed a collective keeps beside compute: its idle time over its time there."""
+        return min(self.collective_seconds(op, idle=True) / max(self.collective_seconds(op), 1e-12), 1.0)
+
+    def compute_seconds(self, op):
+        """The op's measured cost where the device has one, else its FLOPs over the matmul rate or
+        its bytes over the memory bandwidth, whichever is longer."""
+        measured = self.op_costs.cost(op.signature) if self.op_costs is not None else None
+        if measured is not None:
+            return measured
+        return max(op.flops / self.flops_per_second(op.dtype), op.nbytes / self.bandwidth)
+
+    def prepare(self, ops):
+        """Measure the costs of `ops` the device lacks (a CPU's: opcosts.py), before a replay."""
+        if self.op_costs is not None:
+            self.op_costs.measure([op.signature for op in ops if op.kind == "compute"], self.cores)
+
+    def collective_seconds(self, op, idle=False):
+        """The collective's time: beside compute (or alone, idle=True) where measured at several
+        sizes, on the broken line through them; else its latency plus its bus bytes over busbw."""
+        points = self.comm_idle_points if idle and self.comm_idle_points else self.comm_points
+        if points:
+            return interpolate(points.get(op.kind) or points["all_reduce"], bus_bytes(op))
         key = (op.kind, op.group) if (op.kind, op.group) in self.comm_busbw else op.kind
         latency = self.comm_latency.get(key, self.comm_latency.get("all_reduce", 0.0))
         busbw = self.comm_busbw.get(key, self.comm_busbw.get("all_reduce"))
@@ -103,10 +158,95 @@ class StepTime(NamedTuple):
     flops: int  # the step's FLOPs, as counted
 
 
+def replay_on_shared_cores(ops, device, bars=None):
+    """replay() where gloo's threads share the cores the ranks compute on (comm_on_compute_core):
+    one clock for the host and compute, and a queue of collectives on gloo's threads. Beside each
+    other they share the core: compute runs at 1 - comm_takes of its speed, a collective at its idle
+    time over its time beside compute (the calibration's two figures). Alone, each runs at full
+    speed: compute waiting for a collective's output leaves gloo the core. The waits and the
+    slowdown are the exposed communication."""
+    import collections
+    t = busy = comm_busy = exposed = 0.0
+    flops = 0
+    queue = collections.deque()  # [op, its idle seconds left, its start] on gloo's threads, in issue order
+    writing = {}  # storage key -> the queued collective writing it
+    compute_speed = 1.0 - device.comm_takes
+
+    def done(entry):
+        nonlocal comm_busy
+        queue.popleft()
+        op, _, start = entry
+        comm_busy += t - start
+        for key in op.writes:
+            if writing.get(key) is entry:
+                del writing[key]
+        if bars is not None:
+            bars.append((op.kind, start, t, op.where))
+
+    def compute(work):  # `work` seconds of compute at full speed, beside the queue
+        nonlocal t
+        while work > 0:
+            if not queue:
+                t += work
+                return
+            entry = queue[0]
+            if entry[2] is None:
+                entry[2] = t
+            beside = device.comm_speed_beside_compute(entry[0])
+            until_compute = work / compute_speed if compute_speed > 0 else float("inf")
+            until_comm = entry[1] / beside
+            if until_compute < until_comm:
+                t += until_compute
+                entry[1] -= until_compute * beside
+                return
+            t += until_comm
+            work -= until_comm * compute_speed
+            done(entry)
+
+    def wait(entry):  # compute idle until `entry` is done: gloo alone, at full speed
+        nonlocal t, exposed
+        start = t
+        while entry in queue:
+            head = queue[0]
+            if head[2] is None:
+                head[2] = t
+            t += head[1]
+            done(head)
+        exposed += t - start
+        if bars is not None and t > start:
+            bars.append(("exposed", start, t, ""))
+
+    for op in ops:
+        compute(device.op_seconds)  # (the host issues each op: the rank's own core)
+        if op.kind != "compute":
+            entry = [op, device.collective_seconds(op, idle=True), None]
+            queue.append(entry)
+            for key in op.writes:
+                writing[key] = entry
+            continue
+        for key in op.reads:
+            if key in writing:
+                wait(writing[key])
+        seconds = device.compute_seconds(op)
+        start = t
+        compute(seconds)
+        exposed += t - start - seconds  # (slowed by a collective beside it)
+        busy += seconds
+        flops += op.flops
+        if bars is not None:
+            bars.append(("compute", start, t, op.where))
+    while queue:  # (issued and never waited for: the step still ends after them)
+        wait(queue[0])
+    return StepTime(t, busy, comm_busy, exposed, flops)
+
+
 def replay(ops, device, bars=None):
     """The step's time: `ops` in order on the host, compute and communication clocks. Given a list
     `bars`, each op's interval is appended to it as (lane, start, end, where): lane "compute", the
-    collective's kind, or "exposed" where compute waits on a collective."""
+    collective's kind, or "exposed" where compute waits on a collective. A CPU whose gloo threads
+    share the ranks' cores replays as replay_on_shared_cores says."""
+    if device.comm_on_compute_core:
+        return replay_on_shared_cores(ops, device, bars)
     host = compute = comm = busy = comm_busy = exposed = 0.0
     written_at = {}  # storage key -> when the collective writing it ends
     flops = 0
@@ -116,11 +256,6 @@ def replay(ops, device, bars=None):
             start = max(comm, compute if device.host_runs_ahead else host)  # (its input is the compute's)
             comm = start + device.collective_seconds(op)
             comm_busy += comm - start
-            if device.comm_on_compute_core:  # (no compute beside it: the core is the collective's)
-                exposed += comm - start
-                host = compute = comm
-                if bars is not None:
-                    bars.append(("exposed", start, comm, op.where))
             for key in op.writes:
                 written_at[key] = comm
             if bars is not None:
@@ -133,7 +268,7 @@ def replay(ops, device, bars=None):
             if bars is not None:
                 bars.append(("exposed", start, ready, op.where))
             start = ready
-        seconds = max(op.flops / device.flops_per_second(op.dtype), op.nbytes / device.bandwidth)
+        seconds = device.compute_seconds(op)
         compute = start + seconds
         busy += seconds
         flops += op.flops
@@ -182,6 +317,16 @@ MATMUL_EFFICIENCY, MEMORY_EFFICIENCY, GPU_OP_SECONDS, NCCL_LATENCY = 0.6, 0.8, 1
 RESULTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "results")
 
 
+GPU_PLAUSIBLE = {"matmul_efficiency": (0.05, 1.0), "memory_efficiency": (0.05, 1.0), "op_seconds": (0.5e-6, 100e-6)}
+
+
+def gpu_checks(figures):
+    """What is wrong with a GPU's measured figures, in words: an efficiency above the datasheet's peak
+    or far below it, a host time per op outside what eager PyTorch takes (a GPU shared or throttled)."""
+    return [f"{name} {figures[name]:.3g} is outside {least:.3g}-{most:.3g}"
+            for name, (least, most) in GPU_PLAUSIBLE.items() if not least <= figures[name] <= most]
+
+
 def measured_on_gpu(name):
     """The newest "time_model" figures that scripts/plan_check.py measured on GPU `name`, in
     results/*.json -> (figures, the file's path), or None."""
@@ -202,10 +347,15 @@ def measured_on_gpu(name):
 
 
 def gpu(name, busbw_bytes):
+    """A GPU as the time model's device: its datasheet's peaks at the efficiencies plan_check.py
+    measured, where they pass gpu_checks; else at the assumed ones, naming the figures refused."""
     bf16, tf32, hbm, source = GPU_PEAKS[name]
     measured = measured_on_gpu(name)
-    if measured is None:
+    problems = gpu_checks(measured[0]) if measured is not None else []
+    if measured is None or problems:
         matmul, memory, op_seconds, how = MATMUL_EFFICIENCY, MEMORY_EFFICIENCY, GPU_OP_SECONDS, "assumed"
+        if problems:
+            how += f"; {os.path.relpath(measured[1], os.path.dirname(RESULTS))} failed its checks: {'; '.join(problems)}"
     else:
         figures, path = measured
         matmul, memory, op_seconds = figures["matmul_efficiency"], figures["memory_efficiency"], figures["op_seconds"]

@@ -11,8 +11,8 @@ Figures: a rank's memory over two planned steps (plan.py --timeline), and profil
 results/learn/: memory per rank by W and its roles (plan.py), the step's communication against its
 formula (plan.py), collectives alone (scripts/collectives.py), step time and exposed communication
 (bench.py), weak scaling (plan.py and bench.py). The time model: plan.py's predicted step drawn
-under a profiled one, and bench.py --predict's results (results/cpu-*-time-model.json) as predicted
-against measured. Each figure's commands go to commands.md beside it.
+under a profiled one, and the validation grid's results (scripts/time_grid.py, results/cpu-grid-*.json)
+as predicted against measured. Each figure's commands go to commands.md beside it.
 Traces need data: --data_dir (data/shakespeare_char by default, which its prepare.py writes).
 """
 import argparse
@@ -35,6 +35,7 @@ import torch
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(HERE, "scripts"))
 import overlap  # noqa: E402
 import planner  # noqa: E402
 import training  # noqa: E402
@@ -635,13 +636,12 @@ def architecture(fig):
 
 
 # ---- the time model: plan.py's predicted step against measured ones -------------------------------
-# bench.py --predict's results, each setting predicted and measured in one run (results/, kept data)
-TIME_MODEL_RESULTS = ("cpu-w2-time-model", "cpu-w4-time-model", "cpu-w2-comm-bound-time-model")
+# the validation grid's results (scripts/time_grid.py: bench.py --predict per group, in results/)
 
 
 def time_model(fig):
     """The step plan.py predicts drawn under a profiled one of the same run (the traces' model,
-    ZeRO-3, W=2), and the predicted against the measured steps of TIME_MODEL_RESULTS."""
+    ZeRO-3, W=2), and the predicted against the measured steps of the validation grid."""
     model = TINY_TRACE_MODEL if fig.small else TRACE_MODEL
     settings = [f"--data_dir={fig.data_dir}", "--dist_backend=custom_fsdp", *model, "--wrap_policy=block",
                 "--gradient_accumulation_steps=2", "--dtype=float32"]
@@ -655,74 +655,75 @@ def time_model(fig):
                                                     "(top) and plan.py's prediction of the same settings (bottom)")
     fig.commands["trace-predicted"].append(fig.shown(f"python overlap.py {shlex.join([trace, lanes])} "
                                                      f"--png={png} --step=2"))
-    results = [time_model_result(name) for name in TIME_MODEL_RESULTS]
-    draw_time_model(results, fig.figure("time-model"))
-    fig.commands["time-model"] = [r["command"] for r in results]
+    results = grid_results()
+    if results:
+        draw_time_model(results, fig.figure("time-model"))
+        fig.commands["time-model"] = [r["command"] for r in results.values()]
 
 
-def time_model_result(name):
-    with open(os.path.join(HERE, "results", f"{name}.json")) as f:
-        return json.load(f)
-
-
-SHORT = {"reshard_after_forward=False": "ZeRO-2", "activation_checkpointing=True": "AC",
-         "wrap_policy=model": "one unit", "prefetch=False": "no prefetch"}
-
-
-def short_setting(row):
-    """A bench row's settings in a few letters ("ZeRO-2+AC"); the backend alone where it has none."""
-    backend, _, rest = row.partition(":")
-    if not rest:
-        return "ddp" if backend == "ddp" else "default"
-    return "+".join(SHORT.get(kv, kv.replace("gradient_accumulation_steps=", "accumulation "))
-                    for kv in rest.split(":"))
+def grid_results():
+    """{group: its results/cpu-grid-<group>.json, with "held_out"} for the grid's groups results/ holds."""
+    import time_grid
+    out = {}
+    for name, (_, _, _, _, held_out) in time_grid.GRID.items():
+        path = time_grid.path_of(name, os.path.join(HERE, "results"))
+        if os.path.exists(path):
+            with open(path) as f:
+                out[name] = json.load(f) | {"held_out": held_out}
+    return out
 
 
 def draw_time_model(results, png):
-    """Left: each result's rows, predicted against measured, on log axes, with the 15% band around
-    equality. Right: each row's error by name, where the left's clusters hide them."""
+    """Left: every setting, predicted against measured, on log axes, coloured by its group, the held-out
+    groups hollow, with the 20% band around equality. Right: each setting's error, beside the spread of
+    its own repeats (the measurement's noise), by group."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, (ax, bars) = plt.subplots(1, 2, figsize=(12, 6.5), gridspec_kw={"width_ratios": [1.1, 1]})
-    styles = [("#4c72b0", "o"), ("#dd8452", "s"), ("#55a868", "^")]
-    points, names, errors, colours = [], [], [], []
-    for (colour, marker), r in zip(styles, results):
+    fig, (ax, bars) = plt.subplots(1, 2, figsize=(13, 8), gridspec_kw={"width_ratios": [1, 1.1]})
+    colours = plt.get_cmap("tab10").colors
+    points, labels, errors, spreads, bar_colours = [], [], [], [], []
+    for (name, r), colour in zip(results.items(), colours):
         rows = r["backends"]
-        comm_bound = "n_embd=768" in r["command"]
-        label = f"W={r['nproc']}, " + ("57M parameters, 512 tokens a step" if comm_bound else "3.2M parameters")
         xs, ys = [row["step_ms"] for row in rows.values()], [row["predicted_step_ms"] for row in rows.values()]
-        ax.scatter(xs, ys, color=colour, marker=marker, label=label, zorder=3)
+        ax.scatter(xs, ys, color=colour if not r["held_out"] else "none", edgecolors=colour, marker="o", s=36,
+                   label=f"{name}" + (" (held out)" if r["held_out"] else ""), zorder=3)
         points += xs + ys
-        for name, x, y in zip(rows, xs, ys):
-            names.append(f"{short_setting(name)}, W={r['nproc']}" + (", 57M" if comm_bound else ""))
-            errors.append(100 * (y / x - 1))
-            colours.append(colour)
-    lo, hi = min(points) / 1.2, max(points) * 1.2
+        for row_name, row in rows.items():
+            runs = r["step_ms_per_repeat"][row_name]
+            labels.append(f"{name}: {row_name.replace('custom_fsdp:', 'custom_fsdp ').replace(':', ' ')}")
+            errors.append(100 * (row["predicted_step_ms"] / row["step_ms"] - 1))
+            spreads.append(100 * (max(runs) - min(runs)) / statistics.median(runs))
+            bar_colours.append(colour)
+    lo, hi = min(points) / 1.3, max(points) * 1.3
     ax.plot([lo, hi], [lo, hi], color="#444444", linewidth=0.8, label="predicted = measured")
-    ax.fill_between([lo, hi], [lo * 0.85, hi * 0.85], [lo * 1.15, hi * 1.15], color="#999999", alpha=0.2,
-                    linewidth=0, label="within 15%")
+    ax.fill_between([lo, hi], [lo * 0.8, hi * 0.8], [lo * 1.2, hi * 1.2], color="#999999", alpha=0.2,
+                    linewidth=0, label="within 20%")
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlim(lo, hi)
     ax.set_ylim(lo, hi)
-    repeats = "/".join(sorted({str(r["repeats"]) for r in results}))
-    ax.set_xlabel(f"measured step, ms (bench.py: median of {repeats} repeats, unprofiled)", fontsize=8)
+    ax.set_xlabel("measured step, ms (bench.py: median of 3 repeats, unprofiled)", fontsize=8)
     ax.set_ylabel("predicted step, ms (plan.py's time model)", fontsize=8)
-    ax.set_title("(a) predicted against measured", fontsize=9)
+    ax.set_title("(a) predicted against measured; hollow: held out", fontsize=9)
     ax.tick_params(labelsize=7)
     ax.legend(fontsize=7, loc="upper left")
-    y = list(range(len(names)))[::-1]
-    bars.barh(y, errors, color=colours, height=0.7)
+    y = list(range(len(labels)))[::-1]
+    bars.barh(y, errors, color=bar_colours, height=0.7, label="error of the prediction")
+    bars.scatter([s / 2 for s in spreads], y, marker="|", color="#222222", s=40, zorder=3,
+                 label="half the spread of the repeats")
+    bars.scatter([-s / 2 for s in spreads], y, marker="|", color="#222222", s=40, zorder=3)
     bars.axvline(0, color="#444444", linewidth=0.8)
-    for edge in (-15, 15):
+    for edge in (-20, 20):
         bars.axvline(edge, color="#999999", linewidth=0.8, linestyle="--")
     bars.set_yticks(y)
-    bars.set_yticklabels(names, fontsize=7)
-    bars.set_xlabel("error of the prediction, % of the measured step (dashed: the 15% target)", fontsize=8)
-    bars.set_title("(b) each setting's error", fontsize=9)
+    bars.set_yticklabels(labels, fontsize=6)
+    bars.set_xlabel("% of the measured step (dashed: the 20% target)", fontsize=8)
+    bars.set_title("(b) each setting's error, and its repeats' own spread", fontsize=9)
     bars.tick_params(axis="x", labelsize=7)
-    fig.suptitle(f"plan.py's time model against bench.py: custom_fsdp (and one ddp row) on gloo, {results[0]['device']}",
+    bars.legend(fontsize=7, loc="lower right")
+    first = next(iter(results.values()))
+    fig.suptitle(f"plan.py's time model against bench.py on settings it was not fitted to: {first['device']}",
                  fontsize=10)
     fig.tight_layout()
     fig.savefig(png, dpi=110)
@@ -730,31 +731,31 @@ def draw_time_model(results, png):
 
 
 def render_time_model(_):
-    """The scatter, a line per result (its largest error, its repeats' largest spread, which is the
+    """The scatter, a line per group (its largest error, its repeats' largest spread, which is the
     measurement's own noise, and the rank correlation), then the predicted step under a profiled one."""
     import bench
     lines = ["![time-model](figures/time-model.png)", "",
-             "| run | W | rows | repeats | largest error | largest spread of repeats | Spearman's rank correlation |",
-             "|---|---:|---:|---:|---:|---:|---:|"]
-    for name in TIME_MODEL_RESULTS:
-        r = time_model_result(name)
+             "| group | held out | W | settings | largest error | largest spread of repeats | Spearman's rank correlation |",
+             "|---|---|---:|---:|---:|---:|---:|"]
+    results = grid_results()
+    for name, r in results.items():
         rows = r["backends"]
         errors = [row["predicted_step_ms"] / row["step_ms"] - 1 for row in rows.values()]
         spread = max((max(v) - min(v)) / statistics.median(v) for v in r["step_ms_per_repeat"].values())
         rho = bench.spearman([row["predicted_step_ms"] for row in rows.values()],
-                             [row["step_ms"] for row in rows.values()]) if len(rows) > 2 else None
-        lines.append(f"| `results/{name}.json` | {r['nproc']} | {len(rows)} | {r['repeats']} | "
-                     f"{max(errors, key=abs):+.1%} | {spread:.0%} | {'-' if rho is None else f'{rho:.2f}'} |")
-    r = time_model_result(TIME_MODEL_RESULTS[0])
-    lines += ["", f"{r['device']}, {r['torch']}, commit {r['commit']}; the commands are in "
-                  "[commands.md](figures/commands.md#time-model).", "",
-              "![trace-predicted](figures/trace-predicted.png)", "",
+                             [row["step_ms"] for row in rows.values()])
+        lines.append(f"| [`{name}`](../results/cpu-grid-{name}.json) | {'yes' if r['held_out'] else 'no'} | {r['nproc']} "
+                     f"| {len(rows)} | {max(errors, key=abs):+.1%} | {spread:.0%} | {rho:.2f} |")
+    if results:
+        r = next(iter(results.values()))
+        lines += ["", f"{r['device']}, {r['torch']}, commit {r['commit']}; the commands are in "
+                      "[commands.md](figures/commands.md#time-model).", ""]
+    lines += ["![trace-predicted](figures/trace-predicted.png)", "",
               "Top, one profiled step of custom_fsdp at W=2 (the traces' model, ZeRO-3). Bottom, the step plan.py "
               "predicts for the same settings, its phases marked.",
-              "In both, each reduce-scatter stops compute: with a core per rank, gloo's threads take the core "
-              "the rank computes on.",
-              "In the real backward the all-gathers run longer than the calibration's, sharing the core with "
-              "compute, and still hide.",
+              "With a core per rank, gloo's threads share the core the rank computes on: beside a collective, "
+              "compute slows, and the collective runs slower than alone.",
+              "Where compute waits for a gather, gloo has the core to itself.",
               "The profiler records every thread and slows the real step; the scatter's measured steps are "
               "unprofiled."]
     return lines

@@ -41,6 +41,32 @@ CACHE = tempfile.mkdtemp(prefix="fsdp-gpt-test-cache-")
 atexit.register(shutil.rmtree, CACHE, True)
 
 
+def clean_calibration():
+    """A calibration of plausible figures for this CPU, clean by planner/calibrate.py's checks."""
+    from planner import calibrate
+    points = [[3.3e4, 3e-4], [5.2e5, 8e-4], [4.2e6, 5e-3], [1.7e7, 2e-2]]  # (bus bytes, seconds)
+    gloo = {kind: points for kind in ("all_gather", "reduce_scatter", "all_reduce")}
+    return {"key": calibrate._key(), "cores": os.cpu_count(), "one_thread": [{"torch.float32": 8e10,
+            "torch.bfloat16": 1.6e11}, 2.5e10], "all_cores": [{"torch.float32": 8e10 * os.cpu_count(),
+            "torch.bfloat16": 1.6e11 * os.cpu_count()}, 3e10], "gloo": {"2": gloo, "4": gloo},
+            "gloo_alone": {"2": gloo, "4": gloo}, "gloo_takes": {"2": 0.5, "4": 0.5}, "op_seconds": 5e-6,
+            "load": {"others_cores": 0.0, "steal": 0.0, "seconds": 5.0}, "measured_at": "2026-01-01 00:00:00",
+            "attempts": 1, "problems": [], "contended": False}
+
+
+def write_calibration(cache):
+    """The tests' plans of CPU runs replay on clean_calibration(), written into `cache` (their
+    XDG_CACHE_HOME): no test measures this CPU's figures beside other tests' load, but
+    test_calibrate.py, which checks how they are measured."""
+    folder = os.path.join(cache, "fsdp-gpt")
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, "cpu-calibration.json"), "w") as f:
+        json.dump(clean_calibration(), f)
+
+
+write_calibration(CACHE)
+
+
 def subprocess_env():
     env = dict(os.environ)
     # (faulthandler: a process that crashes, say with SIGSEGV, prints its threads' Python stacks)

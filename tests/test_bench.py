@@ -15,7 +15,7 @@ from unittest import mock
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import bench  # noqa: E402
-from conftest import REPO, TINY, launch, run_train  # noqa: E402
+from conftest import CACHE, REPO, TINY, launch, run_train  # noqa: E402
 import overlap  # noqa: E402
 
 
@@ -913,7 +913,7 @@ def test_predict_plans_each_row_as_train_py_would_run_it_and_sets_it_beside_the_
     (tmp_path / "meta.pkl").write_bytes(pickle.dumps({"vocab_size": 65}))
     args = mock.Mock(backends=["custom_fsdp", "custom_fsdp:activation_checkpointing=True"], nproc=2, steps=3,
                      work_dir=str(tmp_path))
-    with mock.patch.dict(os.environ, {"XDG_CACHE_HOME": str(tmp_path / "cache")}):
+    with mock.patch.dict(os.environ, {"XDG_CACHE_HOME": CACHE}):  # (the tests' clean calibration)
         predicted = bench.predictions(args, [*TINY, "--device=cpu", f"--data_dir={tmp_path}"])
     plain, checkpointed = (predicted[b]["predicted_step_ms"] for b in args.backends)
     assert 0 < plain < checkpointed  # (the checkpointed run computes each block's forward twice)

@@ -47,6 +47,22 @@ def test_a_cpu_rank_without_a_spare_core_computes_nothing_beside_its_collectives
     assert abs(t.seconds - (2e-3 + 5e-3 + 1e-6)) < 1e-12 and abs(t.exposed_comm_seconds - 2e-3) < 1e-12
 
 
+def test_on_shared_cores_compute_and_gloo_split_the_core_and_a_wait_leaves_gloo_the_whole_of_it():
+    """A gather of 2 ms alone, 4 ms beside compute, which it slows to half speed: the 1 ms op beside it
+    takes 2 ms and leaves the gather half done; the op that reads the gather then waits 1 ms more,
+    gloo alone at full speed. Exposed: the slowdown (1 ms) and the wait (1 ms)."""
+    ops = [gather(2e6, frozenset({1})), compute(flops=1e6), compute(reads=frozenset({1}))]
+    d = device(host_runs_ahead=False)._replace(comm_on_compute_core=True, comm_points={"all_gather": [(1e6, 4e-3)]},
+                                                comm_idle_points={"all_gather": [(1e6, 2e-3)]}, comm_takes=0.5)
+    bars = []
+    t = timing.replay(ops, d, bars)
+    assert abs(t.seconds - 3e-3) < 1e-12 and abs(t.exposed_comm_seconds - 2e-3) < 1e-12
+    assert abs(t.compute_seconds - 1e-3) < 1e-12 and abs(t.comm_seconds - 3e-3) < 1e-12
+    assert [lane for lane, *_ in bars] == ["compute", "all_gather", "exposed", "compute"]
+    assert timing.interpolate([(1, 1.0), (3, 2.0)], 2) == 1.5 and timing.interpolate([(1, 1.0), (3, 2.0)], 5) == 3.0
+    assert timing.interpolate([(1, 1.0), (3, 2.0)], 0.5) == 1.0
+
+
 def test_the_replay_draws_as_lanes_with_phases():
     """timing.lanes: what overlap.py draws of a predicted step; compute merged across the host's gap."""
     ops = [gather(2e6, frozenset({1}))._replace(where="step 2 forward 0 @ h.0"),
@@ -101,6 +117,26 @@ def test_aten_ops_get_torchs_flops_and_the_bytes_they_move():
     assert view.flops == 0 and view.nbytes == 0
     item = timing.compute_op(torch.ops.aten._local_scalar_dense.default, (a[0, 0],), {}, 1.0, "")
     assert item.sync
+
+
+def test_ddps_buckets_are_all_reduced_in_the_backward_that_syncs_them():
+    """The plan runs DDP's reducer as ops: each gradient copied into its bucket divided by W, each
+    bucket all-reduced once its gradients are in, during the last micro-step's backward (so the
+    replay overlaps it with the rest of backward), every gradient copied back after the last."""
+    import training
+    from planner import step
+    settings = training.settings(["--n_layer=2", "--n_head=2", "--n_embd=32", "--block_size=16", "--batch_size=2",
+                                  "--gradient_accumulation_steps=4", "--dropout=0.0", "--compile=False"])
+    settings["vocab_size"] = 65
+    counter, _, local_steps = step.run(settings, "ddp", 2, 0, timed=True)
+    assert local_steps == 2
+    wheres = [(op.kind, op.where) for op in counter.ops]
+    buckets = [i for i, (kind, where) in enumerate(wheres) if "ddp's bucket" in where]
+    assert buckets and all(wheres[i][0] == "all_reduce" and "step 2 backward 1" in wheres[i][1] for i in buckets)
+    clip = next(i for i, (_, where) in enumerate(wheres) if where.startswith("step 2 clip"))
+    assert max(buckets) < clip
+    params = sum(p.numel() for p in step.meta_model(settings).parameters())
+    assert counter.comm["all_reduce"] == 4 * params + 4  # (every gradient once, float32; and the loss)
 
 
 def test_plan_times_each_row_on_the_gpu_it_is_asked_for(tmp_path):
