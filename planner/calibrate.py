@@ -34,10 +34,14 @@ from .opcosts import OpCosts, best_seconds, signature
 SIZES = (2**16, 2**20, 2**23, 2**25)  # collective bytes timed (each rank's output of a gather), 64 KiB to 32 MiB
 WORLDS = (2, 4)
 ATTEMPTS = 3  # measurements of a calibration that fails its checks, in all
+LAYER_CALLS = 8  # layer matmuls timed at each of seven moments of a calibration (typical_over_best)
+DRIFT_ROUNDS, DRIFT_CHUNK = 24, 4  # rounds of the drift measurement, and layer matmuls (some 40 ms) in each
 REPEATS = 5  # each figure is the best of this many
 # what a clean calibration satisfies (checks())
 MATMUL_SCALING = 0.6  # all cores reach at least this share of the cores' count times one thread's rate
 OTHERS_CORES = 0.3  # other processes took at most this many cores on average while it measured
+MOST_DRIFT = 0.5  # the ranks' drift (drift()) at most this share of their compute
+MOST_TYPICAL_OVER_BEST = 1.5  # a layer matmul's typical time at most this many times its best
 STEAL_SHARE = 0.1  # the hypervisor took at most this share of the machine's time
 PLAUSIBLE = {  # figure: (least, most)
     "matmul_flops": (1e9, 1e14), "bandwidth": (1e9, 1e12), "op_seconds": (0.2e-6, 100e-6),
@@ -168,7 +172,7 @@ def host_op_seconds(costs):
 def _collectives(rank, world, path, results):
     """Rank `rank`'s part of the gloo calibration: each kind and size timed alone, then beside a
     thread that computes, as a rank's training thread does while gloo's threads move its bytes.
-    Each size's time is the median of REPEATS calls; the share of the compute thread's work lost
+    Each size's time is the median of REPEATS calls (3 of the largest); the share of the compute thread's work lost
     while the large ones ran is the core a collective takes from compute."""
     import threading
     torch.set_num_threads(1)
@@ -198,7 +202,7 @@ def _collectives(rank, world, path, results):
                 args = (big, small) if kind == "all_gather" else (small, big) if kind == "reduce_scatter" else (big,)
                 collective(*args)
                 runs = []
-                for _ in range(REPEATS):
+                for _ in range(REPEATS if nbytes < SIZES[-1] else 3):  # (3 of the longest: the same on every rank)
                     dist.barrier()  # (each call starts together on every rank: the slowest rank's start is not timed)
                     start = time.perf_counter()
                     collective(*args)
@@ -248,6 +252,9 @@ def latency_and_busbw(points):
     return points[0][1], points[-1][0] / max(points[-1][1] - points[0][1], 1e-9)
 
 
+FORMAT = 3  # the cached figures' and op costs' layout and meaning: another is not this one's
+
+
 def _key():
     model = platform.processor()
     try:
@@ -255,7 +262,7 @@ def _key():
             model = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
     except (OSError, StopIteration):
         pass
-    return f"{model}, {os.cpu_count()} cores, torch {torch.__version__}"
+    return f"{model}, {os.cpu_count()} cores, torch {torch.__version__}, calibration format {FORMAT}"
 
 
 def cache_path(name="cpu-calibration.json"):
@@ -295,6 +302,12 @@ def checks(f):
     for world, share in f["gloo_takes"].items():
         if not 0 <= share <= 1:
             problems.append(f"gloo takes {share} of a core from compute at {world} processes, outside 0-1")
+    for world, share in f["drift"].items():
+        if not 0 <= share <= MOST_DRIFT:
+            problems.append(f"{world} ranks drift apart by {share:.0%} of their compute, over {MOST_DRIFT:.0%}")
+    if not 1 <= f["typical_over_best"] <= MOST_TYPICAL_OVER_BEST:
+        problems.append(f"a layer matmul's typical time is {f['typical_over_best']:.2f} times its best, "
+                        f"over {MOST_TYPICAL_OVER_BEST}")
     load = Load(f["load"])
     if load.contended:
         problems.append(f"other processes took {load['others_cores']:.2f} cores and the hypervisor "
@@ -310,20 +323,88 @@ def _best(a, b):
             **{table: {w: {kind: [[n, min(t, t_b)] for (n, t), (_, t_b) in zip(points, b[table][w][kind])]
                            for kind, points in kinds.items()} for w, kinds in a[table].items()}
                for table in ("gloo", "gloo_alone")},
-            "gloo_takes": {w: min(share, b["gloo_takes"][w]) for w, share in a["gloo_takes"].items()}}
+            "gloo_takes": {w: min(share, b["gloo_takes"][w]) for w, share in a["gloo_takes"].items()},
+            "drift": {w: min(d, b["drift"][w]) for w, d in a["drift"].items()},
+            "typical_over_best": min(a["typical_over_best"], b["typical_over_best"])}
+
+
+def _layer_calls(calls=LAYER_CALLS):
+    """The thread's CPU time of each of `calls` layer-sized matmuls, the other cores busy (opcosts.py)."""
+    from .opcosts import NeighboursBusy, _cpu_seconds
+    torch.set_num_threads(1)
+    a, b = torch.rand(256, 768), torch.rand(768, 3072)
+    with NeighboursBusy(os.cpu_count() - 1):
+        a @ b
+        return [_cpu_seconds(lambda: a @ b, 1) for _ in range(calls)]
+
+
+def typical_over_best(calls):
+    """A step's ops run at their typical speed, the op costs are their best: the median of the layer
+    matmul's calls over their best, its calls taken at moments spread through the calibration."""
+    return statistics.median(calls) / min(calls)
+
+
+def _drift_rank(rank, world, path, results, rounds=DRIFT_ROUNDS):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=world)
+    a, b = torch.rand(256, 768), torch.rand(768, 3072)
+    a @ b
+    dist.barrier()
+    start, chunks = time.perf_counter(), []
+    for _ in range(rounds):
+        chunk = time.thread_time()
+        for _ in range(DRIFT_CHUNK):
+            a @ b
+        chunks.append(time.thread_time() - chunk)
+        dist.barrier()
+    wall = (time.perf_counter() - start) / rounds
+    dist.destroy_process_group()
+    if rank == 0:
+        results.put((wall, statistics.median(chunks)))
+
+
+def drift(world):
+    """How far `world` ranks drift apart: each computes the same chunk of layer matmuls, then waits at
+    a barrier for the others, DRIFT_ROUNDS times. What a round takes beyond a rank's own chunk (its
+    share of a core past the core count) is time the ranks spend waiting for the slowest: a share of
+    the compute between two collectives that the step adds."""
+    path = f"/tmp/fsdp-gpt-drift-{os.getpid()}-{world}"
+    if os.path.exists(path):
+        os.remove(path)
+    context = multiprocessing.get_context("fork")
+    results = context.Queue()
+    procs = [context.Process(target=_drift_rank, args=(r, world, path, results)) for r in range(world)]
+    for p in procs:
+        p.start()
+    wall, chunk = results.get(timeout=300)
+    for p in procs:
+        p.join()
+    share = min(1.0, os.cpu_count() / world)
+    return round(max(wall * share / chunk - 1, 0.0), 3)
 
 
 def measure_once():
     meter = LoadMeter()
+    layer = _layer_calls()  # (at moments spread through the calibration: typical_over_best)
     one_rates, one_bandwidth = _matmul_and_bandwidth(1)
     all_rates, all_bandwidth = _matmul_and_bandwidth(os.cpu_count())
+    layer += _layer_calls()
     torch.set_num_threads(1)
     op_seconds = host_op_seconds(op_costs(1))
-    gloo = {str(w): _gloo(w) for w in WORLDS}
+    layer += _layer_calls()
+    gloo = {}
+    for w in WORLDS:
+        gloo[str(w)] = _gloo(w)
+        layer += _layer_calls()
+    drifts = {}
+    for w in WORLDS:
+        drifts[str(w)] = drift(w)
+        layer += _layer_calls()
     figures = {"one_thread": [one_rates, one_bandwidth], "all_cores": [all_rates, all_bandwidth],
                "gloo": {w: beside for w, (beside, _, _) in gloo.items()},
                "gloo_alone": {w: alone for w, (_, alone, _) in gloo.items()},
-               "gloo_takes": {w: takes for w, (_, _, takes) in gloo.items()}}
+               "gloo_takes": {w: takes for w, (_, _, takes) in gloo.items()},
+               "drift": drifts, "typical_over_best": round(typical_over_best(layer), 3)}
     torch.set_num_threads(os.cpu_count())
     return figures, op_seconds, meter.read()
 
@@ -390,20 +471,22 @@ def describe(measured):
 def cpu(world, measured, threads=None):
     """This CPU as the time model's device for one of `world` ranks of `threads` threads each (by
     default: all cores alone, one thread each with several ranks, as torchrun sets OMP_NUM_THREADS).
-    Each op costs what opcosts.py timed at that thread count; past the core count the ranks share
+    Each op costs its best time as opcosts.py timed it at that thread count, times its typical time
+    over its best, and the ranks' drift where there are several. Past the core count the ranks share
     the cores, so each op takes cores / W of them. From W = cores on, gloo's threads have no core of
-    their own: a collective takes the core its rank computes on."""
+    their own: a collective shares the core its rank computes on (timing.replay_on_shared_cores)."""
     cores = measured["cores"]
     threads = threads or (cores if world == 1 else 1)
     rates, bandwidth = measured["all_cores" if threads > 1 else "one_thread"]
     share = min(1.0, cores / (world * threads)) if world > 1 else 1.0
-    flops = {getattr(torch, name.split(".")[1]): rate * share for name, rate in rates.items()}
     at = str(world) if str(world) in measured["gloo"] else str(max(int(w) for w in measured["gloo"]))
+    slower = measured["typical_over_best"] * (1 + (measured["drift"][at] if world > 1 else 0.0)) / share
+    flops = {getattr(torch, name.split(".")[1]): rate / slower for name, rate in rates.items()}
     gloo = measured["gloo"][at]
     fits = {kind: latency_and_busbw(points) for kind, points in gloo.items()}
     costs = op_costs(threads)
-    costs.share = share
-    return timing.Device(f"cpu ({measured['key']})", flops, bandwidth * share, measured["op_seconds"] / share, False,
+    costs.scale = slower
+    return timing.Device(f"cpu ({measured['key']})", flops, bandwidth / slower, measured["op_seconds"] / share, False,
                          {k: f[0] for k, f in fits.items()}, {k: f[1] for k, f in fits.items()}, describe(measured),
                          comm_on_compute_core=world * threads >= cores, op_costs=costs, cores=cores,
                          comm_points={kind: [tuple(p) for p in points] for kind, points in gloo.items()},

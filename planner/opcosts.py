@@ -5,9 +5,10 @@ depends on its shape and layout, attention and GELU are not what their bytes say
 copy is slower than a contiguous one: timing the op itself needs no formula for any of them.
 
 Each distinct op (its signature) is timed once and cached beside the calibration. Its time is the
-median of several calls over a few passes through all the signatures, in the timing thread's CPU
-time, less the cost of calling any op from Python (the host's per-op time is charged apart): a
-step's ops run at their typical speed, not their best. While it times, the other cores each run a
+best of several calls over a few passes through all the signatures, in the timing thread's CPU
+time, less the cost of calling any op from Python (the host's per-op time is charged apart). The
+best is what repeats from one plan to the next; a step runs at its typical speed, which
+calibrate.py measures against the best once for all ops (OpCosts.scale). While it times, the other cores each run a
 matmul loop, as the other ranks of a run compute beside this one; another process sharing this
 core takes wall time, not this thread's CPU time, so it cannot inflate a figure.
 """
@@ -15,7 +16,6 @@ import fcntl
 import json
 import multiprocessing
 import os
-import statistics
 import time
 
 import torch
@@ -120,9 +120,10 @@ def call_overhead(threads):
 
 
 def time_ops(sigs, threads, overhead, rounds=ROUNDS, budget=0.02):
-    """{signature: its median time less the call's}, None where it cannot run on tensors rebuilt
+    """{signature: its best time less the call's}, None where it cannot run on tensors rebuilt
     from its signature. The signatures are timed in `rounds` passes over all of them, each call
-    after one to warm up: a slow spell of the machine falls on every op alike, not on a few."""
+    after one to warm up: a slow spell of the machine meets every op's calls alike, and the best of
+    them is what the op costs when the machine is itself."""
     calls, failed = {s: [] for s in sigs}, set()
     for _ in range(rounds):
         for sig in sigs:
@@ -140,7 +141,7 @@ def time_ops(sigs, threads, overhead, rounds=ROUNDS, budget=0.02):
                 continue
             more = min(CALLS - 1, int(budget / max(first, 1e-6)))
             calls[sig] += [first] + [_cpu_seconds(call, threads) for _ in range(more)]
-    return {s: None if s in failed else max(statistics.median(c) - overhead, 0.0) for s, c in calls.items()}
+    return {s: None if s in failed else max(min(c) - overhead, 0.0) for s, c in calls.items()}
 
 
 def _busy(stop):
@@ -181,7 +182,7 @@ class OpCosts:
         self.path, self.key, self.threads = path, key, threads
         self.costs = self._read().get(str(threads), {})
         self.contended = False  # some figures were timed while other processes loaded the machine
-        self.share = 1.0  # of a core, each rank's (past the core count the ranks share them)
+        self.scale = 1.0  # a best time -> the op's time in a step (calibrate.cpu: typical speed, drift, core share)
 
     def _read(self):
         try:
@@ -195,7 +196,7 @@ class OpCosts:
         if sig == "free":
             return 0.0
         seconds = self.costs.get(sig)
-        return None if seconds is None else seconds / self.share
+        return None if seconds is None else seconds * self.scale
 
     def measure(self, sigs, cores, load_meter=None):
         """Time the signatures not yet known (under a lock: one process times at a time) and cache

@@ -49,7 +49,8 @@ def clean_calibration():
     return {"key": calibrate._key(), "cores": os.cpu_count(), "one_thread": [{"torch.float32": 8e10,
             "torch.bfloat16": 1.6e11}, 2.5e10], "all_cores": [{"torch.float32": 8e10 * os.cpu_count(),
             "torch.bfloat16": 1.6e11 * os.cpu_count()}, 3e10], "gloo": {"2": gloo, "4": gloo},
-            "gloo_alone": {"2": gloo, "4": gloo}, "gloo_takes": {"2": 0.5, "4": 0.5}, "op_seconds": 5e-6,
+            "gloo_alone": {"2": gloo, "4": gloo}, "gloo_takes": {"2": 0.5, "4": 0.5},
+            "drift": {"2": 0.05, "4": 0.05}, "typical_over_best": 1.05, "op_seconds": 5e-6,
             "load": {"others_cores": 0.0, "steal": 0.0, "seconds": 5.0}, "measured_at": "2026-01-01 00:00:00",
             "attempts": 1, "problems": [], "contended": False}
 

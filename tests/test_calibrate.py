@@ -49,8 +49,8 @@ def test_a_failing_calibration_is_measured_again_keeping_each_figure_at_its_best
 
     def measure_once():
         f = attempts.pop(0)
-        return ({k: f[k] for k in ("one_thread", "all_cores", "gloo", "gloo_alone", "gloo_takes")}, f["op_seconds"],
-                calibrate.Load(f["load"]))
+        keys = ("one_thread", "all_cores", "gloo", "gloo_alone", "gloo_takes", "drift", "typical_over_best")
+        return {k: f[k] for k in keys}, f["op_seconds"], calibrate.Load(f["load"])
     monkeypatch.setattr(calibrate, "measure_once", measure_once)
     measured = calibrate.measure()
     assert measured["attempts"] == 2 and not measured["contended"] and measured["problems"] == []
@@ -131,7 +131,7 @@ def test_op_costs_are_keyed_by_the_cpu_and_threads_and_a_device_prefers_them(tmp
     one, two = opcosts.OpCosts(str(path), "this cpu", 1), opcosts.OpCosts(str(path), "this cpu", 2)
     assert one.cost(sig) == 2e-3 and two.cost(sig) == 1e-3 and one.cost("free") == 0.0
     assert opcosts.OpCosts(str(path), "another cpu", 1).cost(sig) is None
-    one.share = 0.5  # (four ranks on two cores: each op takes twice as long)
+    one.scale = 2.0  # (four ranks on two cores: each op takes twice as long)
     assert one.cost(sig) == 4e-3
     op = timing.compute_op(torch.ops.aten.mm.default, (a, b), {}, a @ b, "")
     device = timing.Device("cpu", {torch.float32: 1e9}, 1e9, 0.0, False, {}, {}, "made up")
