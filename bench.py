@@ -315,8 +315,8 @@ def predictions(args, extra):
     import planner
     import training
     from planner import calibrate, timing
-    from planner.step import busbw
-    out, figures = {}, None
+    from planner.step import busbw, time_rows
+    figures, rows, devices, settings = None, [], [], []
     for b in args.backends:
         s = training.settings(train_args(b, args.nproc, run_dir(args, b, "plan"), args.steps, extra))
         s["vocab_size"], s["compile"] = training.vocab_size(s), False  # (compiled kernels: planned as eager)
@@ -329,8 +329,12 @@ def predictions(args, extra):
             if name is None:
                 return {}
             device = timing.gpu(name, busbw(args.nproc) * 1e9)
-        row = planner.in_child(planner.plan, s, split_row(b)[0], args.nproc, 0, gloo=s["device"] == "cpu",
-                               device=device)
+        rows.append(planner.in_child(planner.plan, s, split_row(b)[0], args.nproc, 0, gloo=s["device"] == "cpu",
+                                     device=device))
+        devices.append(device)
+        settings.append(s)
+    out = {}
+    for b, row in zip(args.backends, time_rows(rows, devices, settings)):  # (every row's op costs in one pass)
         out[b] = {"predicted_step_ms": row["step_seconds"] * 1e3,
                   "predicted_exposed_ms": row["exposed_comm_seconds"] * 1e3, "predicted_on": row["device_source"]}
         progress(f"  predicted {b}: {out[b]['predicted_step_ms']:.1f} ms/step")

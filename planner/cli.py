@@ -14,7 +14,7 @@ from backends import BACKENDS, BackendError
 from . import calibrate, search, timing
 from .cuda import CUBLAS_WORKSPACES, CUBLAS_WORKSPACE_BYTES, CUDA_CONTEXT_BYTES, NCCL_COMMUNICATOR_BYTES, gpu_bytes
 from .draw import draw, draw_timelines
-from .step import Child, busbw, in_child, largest_batch, plan, second_batch
+from .step import Child, busbw, in_child, largest_batch, plan, second_batch, time_rows
 
 
 PLAN_FLAGS = {"nproc": "1,2,4,8", "rank": 0, "json": "", "png": "", "gpu": "", "gpu_mem_gib": "", "busbw_gbps": "",
@@ -98,7 +98,8 @@ def split_argv(argv):
 def plan_row(settings, backend_name, world, rank, own, limit, drawn, gloo, snapshot=None):
     """plan.py's row for one backend and W, whole: the plan (planned in a child) and what it answers,
     the communication time at the bus bandwidth and, given the GPU's memory, the headroom, whether
-    it fits and the largest batch that does. -> (row, its timeline or None, its predicted lanes or None).
+    it fits and the largest batch that does. -> (row, its timeline or None); a timed row keeps its
+    ops for time_rows.
     snapshot: the path its memory snapshot is written to (snapshot.py), here, in the row's process."""
     asked = limit is not None  # (the GPU's memory given: the largest batch too, from a second plan beside)
     second = Child(plan, dict(settings, batch_size=second_batch(settings["batch_size"])), backend_name, world, rank,
@@ -120,10 +121,7 @@ def plan_row(settings, backend_name, world, rank, own, limit, drawn, gloo, snaps
         row["fits"] = row["headroom_bytes"] >= 0
         row["max_batch_size"] = largest_batch(settings, backend_name, world, rank, row, second.result(), room, gloo)
     row.pop("trace", None)
-    lanes = row.pop("predicted_lanes", None)
-    if lanes is not None:
-        lanes = {k: row[k] for k in ("backend", "nproc", "rank", "device", "device_source")} | lanes
-    return row, timeline, lanes
+    return row, timeline
 
 
 def time_device(own, world, gloo):
@@ -173,14 +171,16 @@ def main(argv):
         running.append(Child(plan_row, settings, backend_name, world, rank, own, limit, drawn, gloo, snapshots[index]))
         while running and (len(running) == ROWS_AT_ONCE or index == len(jobs) - 1):
             try:
-                row, timeline, lanes = running.pop(0).result()
+                row, timeline = running.pop(0).result()
             except BackendError as e:
                 configurator.fail(str(e))
             rows.append(row)
             if drawn:
                 timelines.append(timeline)
-            if lanes is not None:
-                predicted.append(lanes)
+    if rows and "timed_ops" in rows[0]:  # (every row's op costs measured in one pass, then each replayed)
+        time_rows(rows, [time_device(own, row["nproc"], gloo) for row in rows], [settings] * len(rows))
+        predicted = [{k: row[k] for k in ("backend", "nproc", "rank", "device", "device_source")}
+                     | row.pop("predicted_lanes") for row in rows]
     print(table(rows, settings, limit, gloo))
     if compiled:
         print("compile=True is planned as eager: the compiled kernels' own buffers are not counted.")

@@ -17,7 +17,7 @@ import shlex
 
 import configurator
 
-from .step import Child, in_child, plan
+from .step import Child, in_child, plan, time_rows
 
 GRID = {"wrap_policy": ("block", "size", "model"), "reshard_after_forward": (True, False),
         "activation_checkpointing": (False, True), "micro_batch": ("half", "same", "double")}
@@ -86,12 +86,14 @@ def search(settings, backend_name, world, rank, grid, limit, device, gloo, at_on
     for row in [r for r in rows if not r["fits"] and "prefetch" not in grid]:
         run = dict(row["settings"], prefetch=False)
         rows.append(_judged(in_child(plan, run, backend_name, world, rank, gloo=gloo, device=device), run, limit))
+    time_rows(rows, [device] * len(rows), [r["settings"] for r in rows])  # (all rows' op costs in one pass)
+    for row in rows:
+        row.pop("predicted_lanes", None)
     return sorted(rows, key=lambda r: (not r["fits"], -r["tokens_per_second"]))
 
 
 def _judged(row, run, limit):
     row["settings"] = run
-    row.pop("predicted_lanes", None)
     row["fits"] = limit is None or row["reserved_bytes"] + row["outside_allocator_bytes"] <= limit
     return row
 

@@ -185,7 +185,8 @@ def plan(settings, backend_name, world, rank, timeline=False, gloo=False, keep_t
     "timeline" too (Allocations.timeline), with keep_trace the "trace" the CUDA model replays. Under
     cpu_offload the run is planned without it, and the GPU's side is what stays after the state
     moves to host memory. gloo: a CPU run's buffers count. snapshot: its "snapshot" too, the CUDA
-    model's replay as torch.cuda.memory._snapshot() gives one (snapshot.py), roles sampled as for timeline."""
+    model's replay as torch.cuda.memory._snapshot() gives one (snapshot.py), roles sampled as for timeline.
+    device: the step's ops are kept ("timed_ops") for time_rows, which the caller runs on all its rows."""
     started = time.time()
     offload = settings["cpu_offload"]
     if offload and backend_name == "ddp":  # (planned without offload below: ask train.py's refusal here)
@@ -203,7 +204,7 @@ def plan(settings, backend_name, world, rank, timeline=False, gloo=False, keep_t
         from .snapshot import memory_snapshot
         extra["snapshot"] = memory_snapshot(counter, cuda, counter.host_numbers if offload else ())
     if device is not None:
-        extra |= step_time(counter.ops, device, settings)
+        extra["timed_ops"] = counter.ops  # (timed by time_rows, beside the other rows planned with it)
     if timeline:
         extra["timeline"] = dict(counter.timeline(exclude=counter.host_numbers if offload else ()),
                                  peak_event=peak_event)
@@ -219,8 +220,28 @@ def plan(settings, backend_name, world, rank, timeline=False, gloo=False, keep_t
             "seconds": round(time.time() - started, 2)}
 
 
+def time_rows(rows, devices, settings):
+    """The time model's answers for rows planned with a device (their "timed_ops"), each on its own
+    device with its own settings. The op costs every row lacks are measured first, in one pass over
+    all of them (opcosts.py), so a slow spell of the machine meets every row's ops alike: the rows
+    keep their order. Then each row's step is replayed."""
+    by_table = {}
+    for row, device in zip(rows, devices):
+        if device.op_costs is not None:
+            key = (device.op_costs.path, device.op_costs.threads)
+            by_table.setdefault(key, (device, []))[1].extend(row["timed_ops"])
+    for device, ops in by_table.values():
+        device.prepare(ops)
+    for device in devices:  # (the other devices of a table take what it measured, contended or not)
+        if device.op_costs is not None:
+            device.op_costs.costs |= by_table[(device.op_costs.path, device.op_costs.threads)][0].op_costs.costs
+    for row, device, s in zip(rows, devices, settings):
+        row |= step_time(row.pop("timed_ops"), device, s)
+    return rows
+
+
 def step_time(ops, device, settings):
-    """The time model's answers for the planned step (timing.py) on `device`."""
+    """The time model's answers for the planned step (timing.py) on `device`, its op costs measured."""
     bars = []
     device.prepare(ops)
     t = timing.replay(ops, device, bars)
