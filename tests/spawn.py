@@ -230,16 +230,17 @@ def serve(path):
         if os.getppid() != parent:
             shut_down()
         for pid, conn in list(runs.items()):
-            if conn in ready and not conn.recv(1):  # the client is gone: so goes its run
+            if conn in ready and client_gone(conn):  # so goes its run
                 end(pid)
         if listener not in ready:
             continue
         conn, _ = listener.accept()
-        header, fds, _, _ = socket.recv_fds(conn, 8, 64)
-        size, body = int.from_bytes(header, "little"), b""
-        while len(body) < size:
-            body += conn.recv(size - len(body))
-        request = json.loads(body)
+        request, fds = read_request(conn)
+        if request is None:  # the client died while it sent
+            for fd in fds:
+                os.close(fd)
+            conn.close()
+            continue
         sys.stdout.flush()
         sys.stderr.flush()
         pid = os.fork()
@@ -256,6 +257,31 @@ def serve(path):
         runs[pid] = conn
         if not tell(conn, pid):  # the client was killed before it learned its run's pid
             end(pid)
+
+
+def client_gone(conn):
+    """True if a run's client has closed its end. A client that closes with the run's pid unread
+    resets the connection (Linux's unix sockets), which is gone too."""
+    try:
+        return not conn.recv(1)
+    except ConnectionResetError:
+        return True
+
+
+def read_request(conn):
+    """A request's JSON body and fds (see send_request); None for the body if the client died first."""
+    header, fds, body = b"", [], b""
+    try:
+        header, fds, _, _ = socket.recv_fds(conn, 8, 64)
+        size = int.from_bytes(header, "little")
+        while header and len(body) < size:
+            chunk = conn.recv(size - len(body))
+            if not chunk:
+                break
+            body += chunk
+    except ConnectionResetError:
+        return None, fds
+    return (json.loads(body) if header and len(body) == size else None), fds
 
 
 def tell(conn, value):

@@ -321,10 +321,13 @@ def test_a_client_passes_signals_on_and_its_run_does_not_outlive_it(tmp_path, ho
     assert res.stdout.split() == ["True", str(-getattr(__import__("signal"), how)), "False"], res.describe()
 
 
-def test_a_client_gone_before_its_runs_pid_takes_the_run_along_and_the_server_serves_on(tmp_path):
+@pytest.mark.parametrize("pid_sent", [False, True], ids=["before_its_pid", "with_its_pid_unread"])
+def test_a_client_gone_takes_its_run_along_and_the_server_serves_on(tmp_path, pid_sent):
     """A client killed before the server has told it its run's pid (torchrun stopping a worker at
-    once): the server, finding the connection closed, ends the run and serves the next request."""
+    once), or after, with the pid unread (Linux then resets the connection): the server ends the run
+    and serves the next request."""
     import os
+    import select
     import time
 
     import conftest
@@ -336,6 +339,8 @@ def test_a_client_gone_before_its_runs_pid_takes_the_run_along_and_the_server_se
                        cwd=str(tmp_path), fds=[0, 1, 2])
         with open(os.devnull, "rb") as null:
             spawn.send_request(sock, request, [null.fileno()] * 3)
+        if pid_sent:
+            assert select.select([sock], [], [], 30)[0], "the server never sent the run's pid"
     server = conftest._server.proc.pid  # (its only runs are this test's: a worker runs one test at a time)
     children = f"/proc/{server}/task/{server}/children"
     deadline = time.time() + 30  # (gone at once: the run is SIGKILLed, perhaps before it has started)
