@@ -649,16 +649,38 @@ def time_model(fig):
     fig.run(["trace-predicted"], ["train.py", "--device=cpu", f"--out_dir={out}", *settings, "--max_iters=3",
                                   "--eval_iters=0", "--eval_interval=1000", "--keep_checkpoints=0", "--profile=True"],
             torchrun=2)
-    fig.run(["trace-predicted"], ["plan.py", "--device=cpu", *settings, "--nproc=2", f"--lanes_json={lanes}"])
+    plan = os.path.join(fig.work, "predicted-plan.json")
+    fig.run(["trace-predicted"], ["plan.py", "--device=cpu", *settings, "--nproc=2", f"--lanes_json={lanes}",
+                                  f"--json={plan}"])
     trace, png = os.path.join(out, "traces", "custom_fsdp", "rank0.json"), fig.figure("trace-predicted")
     overlap.draw([trace, lanes], png, step=2, title="custom_fsdp at W=2 on 2 CPU cores, ZeRO-3: a profiled step "
                                                     "(top) and plan.py's prediction of the same settings (bottom)")
     fig.commands["trace-predicted"].append(fig.shown(f"python overlap.py {shlex.join([trace, lanes])} "
                                                      f"--png={png} --step=2"))
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        (profiled,) = [r["dt_ms"] for r in map(json.loads, f) if r.get("iter") == 2]
+    with open(plan) as f:
+        predicted = json.load(f)[0]["step_seconds"] * 1e3
+    row = dict(model=model, profiled_step_ms=profiled, predicted_step_ms=predicted, unprofiled=unprofiled_row(settings))
+    fig.save("time-model", [row], fig.commands["trace-predicted"])
     results = grid_results()
     if results:
         draw_time_model(results, fig.figure("time-model"))
         fig.commands["time-model"] = [r["command"] for r in results.values()]
+
+
+def unprofiled_row(settings):
+    """The validation grid's row of the traced settings, measured unprofiled, if the grid has one:
+    {"group", "backend", "step_ms", "predicted_step_ms"}, else None."""
+    for name, r in grid_results().items():
+        given = set(r["command"].split())
+        for backend, row in r["backends"].items():
+            extra = [f"--{s}" for s in backend.split(":")[1:]]
+            same = all(a in given or a in extra for a in settings  # (float32: bench.py's default on a CPU)
+                       if not a.startswith(("--data_dir", "--dist_backend", "--dtype=float32")))
+            if same and r["nproc"] == 2 and backend.split(":")[0] == "custom_fsdp" and not extra:
+                return dict(group=name, backend=backend, step_ms=row["step_ms"], predicted_step_ms=row["predicted_step_ms"])
+    return None
 
 
 def grid_results():
@@ -730,9 +752,10 @@ def draw_time_model(results, png):
     plt.close(fig)
 
 
-def render_time_model(_):
+def render_time_model(result):
     """The scatter, a line per group (its largest error, its repeats' largest spread, which is the
-    measurement's own noise, and the rank correlation), then the predicted step under a profiled one."""
+    measurement's own noise, and the rank correlation), then the predicted step under a profiled one,
+    with the profiled, predicted and unprofiled steps' lengths."""
     import bench
     lines = ["![time-model](figures/time-model.png)", "",
              "| group | held out | W | settings | largest error | largest spread of repeats | Spearman's rank correlation |",
@@ -755,9 +778,18 @@ def render_time_model(_):
               "predicts for the same settings, its phases marked.",
               "With a core per rank, gloo's threads share the core the rank computes on: beside a collective, "
               "compute slows, and the collective runs slower than alone.",
-              "Where compute waits for a gather, gloo has the core to itself.",
-              "The profiler records every thread and slows the real step; the scatter's measured steps are "
-              "unprofiled."]
+              "Where compute waits for a gather, gloo has the core to itself."]
+    (row,) = result["rows"]
+    lines.append(f"The profiled step took {row['profiled_step_ms']:,.0f} ms; plan.py predicts "
+                 f"{row['predicted_step_ms']:,.0f} ms.")
+    same = row["unprofiled"]
+    if same:
+        lines.append(f"Unprofiled, the same settings took {same['step_ms']:,.0f} ms, the median of `bench.py`'s runs "
+                     f"(the grid's `{same['group']}`, `{same['backend']}`), against {same['predicted_step_ms']:,.0f} ms "
+                     "predicted.")
+        lines.append(f"So this step ran {row['profiled_step_ms'] / same['step_ms']:.1f}x as long under the profiler.")
+        lines.append("A trace shows the order of events, not the unprofiled step's lengths.")
+    lines.append("The scatter's measured steps are unprofiled.")
     return lines
 
 
@@ -766,7 +798,7 @@ RENDER = {"memory-by-w": render_memory_by_w, "comm-formula": render_comm_formula
           "time-model": render_time_model, "unit-sizes": render_unit_sizes, "snapshots": render_snapshots}
 SOURCES = {"memory-by-w": "memory-by-w", "comm-formula": "memory-by-w", "trace-figures": "traces",
            "collectives": "collectives", "step-time": os.path.join("..", STEP_TIME), "weak-scaling": "weak-scaling",
-           "time-model": None, "unit-sizes": "unit-sizes", "snapshots": "memory-by-w"}
+           "time-model": "time-model", "unit-sizes": "unit-sizes", "snapshots": "memory-by-w"}
 
 
 def render(doc, results_dir, missing_ok=False):

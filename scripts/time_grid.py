@@ -107,7 +107,7 @@ def summary_lines(results):
         if chosen:
             n, within, largest, rho = part_figures(chosen)
             lines.append(f"{part}: {within} of {n} settings within {WITHIN:.0%}, the largest error {largest:+.1%}, "
-                         f"Spearman's rank correlation at least {rho:.2f} in each group.")
+                         f"Spearman's rank correlation {'' if rho >= 0.995 else 'at least '}{rho:.2f} in each group.")
     return lines
 
 
