@@ -64,9 +64,10 @@ def _machine_ticks():
     return user + nice + system + irq + softirq, idle + iowait, steal
 
 
-def _group_ticks():
-    """{pid: CPU ticks so far} of every live process in this one's process group: the plan's own work."""
-    group, ticks = os.getpgrp(), {}
+def _own_ticks():
+    """{pid: CPU ticks so far} of this process and its live descendants: the plan's own work. (Not
+    its process group: a shell script's other jobs share that.)"""
+    parent, ticks = {}, {}
     for pid in os.listdir("/proc"):
         if not pid.isdigit():
             continue
@@ -75,15 +76,22 @@ def _group_ticks():
                 fields = f.read().rsplit(")", 1)[1].split()
         except OSError:
             continue  # (gone)
-        if int(fields[2]) == group:  # (pgrp; then utime and stime)
-            ticks[int(pid)] = int(fields[11]) + int(fields[12])
-    return ticks
+        parent[int(pid)] = int(fields[1])  # (ppid; then utime and stime at 11 and 12)
+        ticks[int(pid)] = int(fields[11]) + int(fields[12])
+    me, own = os.getpid(), {}
+    for pid in ticks:
+        ancestor = pid
+        while ancestor not in (me, 0, 1) and ancestor in parent:
+            ancestor = parent[ancestor]
+        if ancestor == me:
+            own[pid] = ticks[pid]
+    return own
 
 
 class LoadMeter:
     """How busy other processes kept the machine from its start to read(): /proc/stat's busy
-    ticks less this process group's own, and the steal, over the interval. The group's processes
-    are sampled every SAMPLE_SECONDS on a thread of its own, so one that ends meanwhile keeps what
+    ticks less those of this process and its descendants, and the steal, over the interval. They are
+    sampled every SAMPLE_SECONDS on a thread of its own, so one that ends meanwhile keeps what
     it used (a reaped child's time would otherwise land on its parent, lifetime and all)."""
     SAMPLE_SECONDS = 0.25
 
@@ -91,7 +99,7 @@ class LoadMeter:
         import threading
         self.started = time.monotonic()
         self.machine = _machine_ticks()
-        self.first = _group_ticks()
+        self.first = _own_ticks()
         self.last = dict(self.first)
         self.stop = threading.Event()
         self.sampler = threading.Thread(target=self._sample, daemon=True)
@@ -99,16 +107,16 @@ class LoadMeter:
 
     def _sample(self):
         while not self.stop.wait(self.SAMPLE_SECONDS):
-            self.last.update(_group_ticks())
+            self.last.update(_own_ticks())
 
     def own(self):
-        """This group's ticks since the start (a process born since: all of its own)."""
+        """This process's and its descendants' ticks since the start (one born since: all of its own)."""
         return sum(ticks - self.first.get(pid, 0) for pid, ticks in self.last.items())
 
     def read(self):
         self.stop.set()
         self.sampler.join()
-        self.last.update(_group_ticks())
+        self.last.update(_own_ticks())
         (busy, idle, steal), own = _machine_ticks(), self.own()
         busy0, idle0, steal0 = self.machine
         seconds = max(time.monotonic() - self.started, 1e-3)
