@@ -26,6 +26,8 @@ from torch.distributed.tensor import DTensor
 from torch.optim.adam import adam as adam_on_tensors  # (the function Adam.step calls)
 
 BACKENDS = ("ddp", "fsdp", "custom_fsdp")
+# FSDP2 prefetches in backward unless given a list: with none, the unit that runs backward next
+FSDP_PREFETCH_OFF = "fsdp: prefetch=False switches forward prefetch off; FSDP2 keeps its backward prefetch (no public switch)"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 WRAP_POLICIES = ("block", "model", "size")
 
@@ -155,6 +157,7 @@ def make_backend(name, cfg):
 class Backend:
     loss_scaling = False  # float16 under DDP: overflowing steps are expected and skipped by the scaler
     optimizer_class = torch.optim.AdamW  # what model.configure_optimizers builds
+    note = None  # a line train.py prints at start: what a setting does differently under this backend
 
     def __init__(self, cfg):
         self.cfg = cfg
@@ -314,6 +317,9 @@ class FSDPBackend(Backend):
 
     def __init__(self, name, cfg):
         super().__init__(cfg)
+        self.name = name
+        if name == "fsdp" and not cfg["prefetch"]:
+            self.note = FSDP_PREFETCH_OFF
         if self.dtype == torch.float16:
             raise BackendError("dtype=float16 needs loss scaling, which the sharded backends do not do: use bfloat16")
         replicas = cfg["replicate_degree"]
@@ -382,13 +388,17 @@ class FSDPBackend(Backend):
         model.to_empty(device="cpu" if self.cfg["cpu_offload"] else self.device)
         materialize(model)
         # explicit prefetch lists, so both implementations prefetch the same units: in forward
-        # the next unit, in backward the one that runs backward next ([] switches it off)
+        # the next unit, in backward the one that runs backward next. prefetch=False empties them:
+        # no forward prefetch; in backward an empty list is FSDP2's default, the next unit, and
+        # only fsdp_impl has a switch for it
         heads, on = [g[0] for g in groups], self.cfg["prefetch"]  # (a unit's first block stands for it)
         orders = {"set_modules_to_forward_prefetch": [model] + heads,
                   "set_modules_to_backward_prefetch": [model] + heads[::-1]}
         for setter, order in orders.items():
             for module, nxt in zip(order, order[1:] + [None]):
                 getattr(module, setter)([nxt] if on and nxt is not None else [])
+        if not on and self.name == "custom_fsdp":
+            model.set_backward_prefetch(False)
         return model
 
     def step(self, optimizer):

@@ -401,6 +401,8 @@ def bench_backends(args, extra):
           f"(medians past the first {WARMUP_STEPS}); ratios vs {args.backends[0]}")
     print("\n".join(main_lines(table, paired) + prediction_lines(table)
                     + (detail_lines(table, paired) if args.detail else [])))
+    if any(fsdp_without_prefetch(b, extra) for b in table):
+        print(backends.FSDP_PREFETCH_OFF)
     return {"device": device_name(ran_on_cuda(table.values())), "nproc": args.nproc, "repeats": args.repeats,
             "steps": args.steps, "extra": extra, "backends": table, "step_ratio_per_repeat": paired,
             "step_ms_per_repeat": {b: [run["step_ms"] for run in runs] for b, runs in results.items()}}
@@ -441,7 +443,17 @@ def render_backends(result):
     if predicted and len(table) > 2:
         rho = spearman([row["predicted_step_ms"] for row in table.values()], [row["step_ms"] for row in table.values()])
         lines += ["", f"plan.py's predicted step against the measured median: Spearman's rank correlation {rho:.2f}."]
+    if any(fsdp_without_prefetch(b, result.get("extra", [])) for b in table):
+        lines += ["", backends.FSDP_PREFETCH_OFF.replace("fsdp: prefetch=False", "`fsdp:prefetch=False`") + "."]
     return lines
+
+
+def fsdp_without_prefetch(row, extra):
+    """Whether a row (backend:key=value:...) runs FSDP2 with prefetch=False, which keeps its backward
+    prefetch; `extra`: the settings every row takes, which the row's own override."""
+    backend, settings = split_row(row)
+    given = [a for a in extra + settings if a.startswith("--prefetch=")]
+    return backend == "fsdp" and given[-1:] == ["--prefetch=False"]
 
 
 def render_sweep(result):

@@ -79,6 +79,8 @@ local_steps = gradient_accumulation_steps // world_size  # micro-batches on this
 tokens_per_iter = gradient_accumulation_steps * batch_size * block_size
 if master:
     print(f"{dist_backend} on {world_size} process(es); tokens per iteration: {tokens_per_iter:,}")
+    if back.note:
+        print(back.note)
 device_type = "cuda" if device.startswith("cuda") else "cpu"
 torch.backends.cuda.matmul.allow_tf32 = True
 torch.backends.cudnn.allow_tf32 = True

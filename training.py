@@ -69,7 +69,7 @@ def defaults():
     reshard_after_forward = True  # True: ZeRO-3 (free gathered params after forward); False: ZeRO-2
     wrap_policy = "size"  # 'size': consecutive blocks per unit up to min_wrap_params; 'block': one each; 'model'
     min_wrap_params = 20_000_000  # wrap_policy='size': a unit takes blocks until it holds this many parameters
-    prefetch = True  # gather the next unit while this one computes
+    prefetch = True  # gather the next unit while this one computes (False under fsdp: in forward only)
     reshard_after_backward = True  # False: units stay gathered between accumulation micro-steps, freed after the last
     replicate_degree = 1  # HSDP: >1 replicates over this many groups and shards inside each
     cpu_offload = False  # keep sharded params, grads and optimizer state in CPU memory (CUDA only)

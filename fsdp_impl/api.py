@@ -381,10 +381,19 @@ class FSDPModule:
         """Accepted, with nothing to do: fsdp_impl's gathers are asynchronous collectives already."""
 
     def set_modules_to_forward_prefetch(self, modules: list[nn.Module]) -> None:
+        """Starting its forward, this unit issues these units' all-gathers (none by default, as FSDP2's)."""
         self._fsdp_unit.forward_prefetch = [m._fsdp_unit for m in modules]
 
     def set_modules_to_backward_prefetch(self, modules: list[nn.Module]) -> None:
+        """Starting its backward, this unit issues these units' all-gathers. An empty list restores the
+        default, the unit that runs backward next, as FSDP2's: set_backward_prefetch(False) switches it off."""
         self._fsdp_unit.backward_prefetch = [m._fsdp_unit for m in modules]
+
+    def set_backward_prefetch(self, enabled: bool, *, recurse: bool = True) -> None:
+        """fsdp_impl's own, which FSDP2 lacks: False, and no unit under this module prefetches in
+        backward, whatever its list; each gathers at its own pre-backward."""
+        for unit in self._units(recurse):
+            unit.prefetch_in_backward = enabled
 
 
 def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:

@@ -2,8 +2,9 @@
 Schedule: the root's view of a training step, shared by all units under one root (FSDP2's
 FSDPState and its comm context, _fsdp_state.py).
 
-- Prefetch: a unit starting its forward or backward issues the all-gather of the unit that runs
-  next, in the order the first forward recorded (backward: the post-forward order reversed).
+- Prefetch, as FSDP2's: a unit starting its forward issues the all-gathers of the units in its
+  forward list. Starting its backward, it issues those of its backward list; an empty list means
+  the unit that runs backward next, in the post-forward order the first forward recorded, reversed.
 - An autograd callback at the end of backward runs the post-backward of units whose gate did not
   fire (no input requires grad, as the root's token ids; a unit unused this step) and waits for
   every reduction in flight (reduce.Pending), so the sharded .grads are complete when backward()
@@ -38,7 +39,7 @@ class Schedule:
         self.units, self.root = units, root
         self.pre_forward_order, self.post_forward_order = [], []
         self.recording = True
-        self.next_forward, self.next_backward = {}, {}
+        self.next_backward = {}
         self.pending = Pending()  # the collectives in flight, shared by the units' reductions
         self.end_of_backward_queued = False
         _schedules.add(self)
@@ -49,9 +50,7 @@ class Schedule:
         """unit's forward starts (recorded in the first forward) -> the units to prefetch beside it."""
         if self.recording and unit not in self.pre_forward_order:
             self.pre_forward_order.append(unit)
-        if unit.forward_prefetch is not None:
-            return unit.forward_prefetch
-        return [self.next_forward[unit]] if unit in self.next_forward else []
+        return unit.forward_prefetch
 
     def forward_ended(self, unit):
         if not self.recording or unit in self.post_forward_order:
@@ -59,8 +58,7 @@ class Schedule:
         self.post_forward_order.append(unit)
         if len(self.post_forward_order) == len(self.pre_forward_order):  # the root's forward ended
             self.recording = False
-            fwd, bwd = self.pre_forward_order, self.post_forward_order[::-1]
-            self.next_forward = dict(zip(fwd, fwd[1:]))
+            bwd = self.post_forward_order[::-1]
             self.next_backward = dict(zip(bwd, bwd[1:]))
 
     def backward_started(self, unit):
@@ -68,7 +66,9 @@ class Schedule:
         if not self.end_of_backward_queued:
             self.end_of_backward_queued = True
             Variable._execution_engine.queue_callback(self.end_of_backward)
-        if unit.backward_prefetch is not None:
+        if not unit.prefetch_in_backward:
+            return []
+        if unit.backward_prefetch:
             return unit.backward_prefetch
         return [self.next_backward[unit]] if unit in self.next_backward else []
 

@@ -89,8 +89,11 @@ class ShardedUnit:
         self.is_last_backward = True  # the root's: False leaves the reductions in flight at the end of backward
         self.unshard_in_backward = True  # False: backward needs none of its parameters (an embedding's)
         self.post_optim_event = None  # the root's: set_post_optim_event's, waited by its next forward
-        self.forward_prefetch = None  # None: the next unit in forward order; [] switches it off
-        self.backward_prefetch = None
+        # prefetch, as FSDP2's: in forward only the units listed; in backward the units listed, or
+        # with no list the unit that runs backward next (an empty list means no list)
+        self.forward_prefetch = []
+        self.backward_prefetch = []
+        self.prefetch_in_backward = True  # fsdp_impl's own switch: False prefetches nothing in backward
         # per-step state
         self.state = SHARDED
         self.schedule = None

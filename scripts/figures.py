@@ -74,7 +74,8 @@ SCHEDULES = [
      "The reduce-scatters come in the last backward only. Each forward and backward still gathers.",
      ["--gradient_accumulation_steps=4"]),
     ("no-prefetch", "ZeRO-3 without prefetch (prefetch=False)",
-     "For contrast: each unit waits for its own gather, so the gathers are exposed in both backends.",
+     "For contrast: under custom_fsdp each unit waits for its own gather. Under fsdp only forward prefetch is "
+     "off: FSDP2 has no public switch for its backward prefetch, so its backward still gathers the next unit early.",
      ["--gradient_accumulation_steps=2", "--prefetch=False"]),
 ]
 TRACE_NAMES = {"custom_fsdp": "our FSDP (custom_fsdp), rank 0", "fsdp": "FSDP2 (fsdp), rank 0"}
@@ -465,6 +466,7 @@ def render_step_time(result):
               "DDP's all-reduce runs in its C++ reducer, out of the counters' sight: its bytes are its gradients' size."]
     if speedups:
         lines.append("Prefetch's speedup, the step without it over the step with it: " + ", ".join(speedups) + ".")
+        lines.append("fsdp:prefetch=False turns forward prefetch off only: FSDP2 keeps its backward prefetch.")
     return lines
 
 

@@ -17,6 +17,7 @@ import copy
 import faulthandler
 import gc
 import json
+import contextlib
 import math
 import os
 import signal
@@ -928,6 +929,83 @@ def hsdp_shard_placement_fn_dim_1(impl, mesh):
     return train(build(impl, mesh, unit_kw=SHARD_MATRICES_ON_DIM_1))
 
 
+class Mark(torch.autograd.Function):
+    """The identity; its backward logs that the gradient has reached `name`'s own computation, after
+    the hooks on its output (a unit's pre-backward) have run."""
+    @staticmethod
+    def forward(ctx, x, name, log):
+        ctx.name, ctx.log = name, log
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.log.append(f"grad:{ctx.name}")
+        return grad, None, None
+
+
+COLLECTIVES = {"all_gather_single": "all_gather", "all_gather_into_tensor": "all_gather",
+               "reduce_scatter_single": "reduce_scatter", "reduce_scatter_tensor": "reduce_scatter",
+               "all_reduce": "all_reduce"}
+
+
+@contextlib.contextmanager
+def collectives_logged(log):
+    """Each collective torch.distributed is handed, as "<kind>:<its largest tensor's numel>", into log."""
+    originals = {name: getattr(dist, name) for name in COLLECTIVES if hasattr(dist, name)}
+
+    def logged(name, fn):
+        def call(*args, **kwargs):
+            numel = max(a.numel() for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor))
+            log.append(f"{COLLECTIVES[name]}:{numel}")
+            return fn(*args, **kwargs)
+        return call
+    for name, fn in originals.items():
+        setattr(dist, name, logged(name, fn))
+    try:
+        yield
+    finally:
+        for name, fn in originals.items():
+            setattr(dist, name, fn)
+
+
+def prefetch_orders(impl, mesh):
+    """Each prefetch setting's second step (the first records the order) as one rank sees it: every
+    collective issued, each unit's forward starting (after its pre-forward) and the gradient reaching
+    each unit's computation (after its pre-backward). Settings: none given; every list empty (FSDP2:
+    no forward prefetch, and its default in backward); the lists train.py's backends set."""
+    orders = {}
+    for setting in ("default", "empty_lists", "explicit_lists"):
+        log = []
+
+        def marks(model):
+            for name, module in [("root", model)] + [(f"blocks.{i}", b) for i, b in enumerate(model.blocks)]:
+                module.register_forward_pre_hook(lambda m, args, name=name: log.append(f"forward:{name}"))
+                module.register_forward_hook(lambda m, args, out, name=name: Mark.apply(out, name, log))
+        model = build(impl, mesh, before_sharding=marks)
+        units, blocks = [model, *model.blocks], list(model.blocks)
+        if setting == "empty_lists":
+            for unit in units:
+                unit.set_modules_to_forward_prefetch([])
+                unit.set_modules_to_backward_prefetch([])
+        if setting == "explicit_lists":
+            for unit, nxt in zip(units, blocks + [None]):
+                unit.set_modules_to_forward_prefetch([nxt] if nxt else [])
+            backward = [model] + blocks[::-1]
+            for unit, nxt in zip(backward, backward[1:] + [None]):
+                unit.set_modules_to_backward_prefetch([nxt] if nxt else [])
+        opt = torch.optim.AdamW(model.parameters(), lr=LR, foreach=False)
+        for s in range(2):
+            if s == 1:
+                log.clear()
+                with collectives_logged(log):
+                    plain_step(model, s)
+            else:
+                plain_step(model, s)
+            optimizer_step(opt)
+        orders[setting] = list(log)
+    return orders
+
+
 def non_root_forward_first(impl, mesh):
     """A block runs (a no_grad probe) before the root's first forward, then a training step; per
     probed block, what was raised (FSDP2: a RuntimeError from the root's forward, "... requires
@@ -1277,7 +1355,7 @@ def main():
                   list_argument_and_dropped_forward, inplace_on_a_view_output, late_unshard_handle_wait, deepcopy_of_a_sharded_model,
                   submodule_state_dict_while_gathered, meta_model_first_forward, graphs_of_compiled_blocks,
                   what_is_refused, slice_of_a_sharded_sequential, jvp_through_a_sharded_model, refused_api,
-                  refused_arguments, root_input_dtype_seen, sharded_layouts_on_dim_1):
+                  refused_arguments, root_input_dtype_seen, sharded_layouts_on_dim_1, prefetch_orders):
         impls = ("fsdp2", "ours", "plain") if check is jvp_through_a_sharded_model else ("fsdp2", "ours")
         result[check.__name__] = {impl: checked(check, impl, mesh) for impl in impls}
     # The last flow can kill the process (fsdp_impl segfaulted there). The other flows' results are

@@ -705,11 +705,25 @@ def comm_checks(world, mesh1d, mesh2d):
     run("grad_accum", lambda: build_gpt("ours", mesh1d), micro=MICRO, setup=sync_off)
     run("no_reshard_after_backward", lambda: build_gpt("ours", mesh1d), micro=MICRO, setup=sync_and_reshard_off)
 
-    def no_prefetch(model):
+    def empty_lists(model):  # (FSDP2's meaning: none in forward, the default in backward)
         for m in fsdp_modules(model):
             m.set_modules_to_forward_prefetch([])
             m.set_modules_to_backward_prefetch([])
+    run("empty_lists", lambda: build_gpt("ours", mesh1d), before=empty_lists)
+
+    def no_prefetch(model):
+        empty_lists(model)
+        model.set_backward_prefetch(False)
     run("no_prefetch", lambda: build_gpt("ours", mesh1d), before=no_prefetch)
+
+    def next_unit(model):  # train.py's lists: in forward the next unit, in backward the one after
+        units = [model, *model.transformer.h]
+        for m, nxt in zip(units, units[1:] + [None]):
+            m.set_modules_to_forward_prefetch([nxt] if nxt else [])
+        backward = [model, *list(model.transformer.h)[::-1]]
+        for m, nxt in zip(backward, backward[1:] + [None]):
+            m.set_modules_to_backward_prefetch([nxt] if nxt else [])
+    run("next_unit", lambda: build_gpt("ours", mesh1d), before=next_unit)
 
     def root_prefetches_all(model):  # explicit lists override the recorded order
         model.set_modules_to_forward_prefetch(list(model.transformer.h))

@@ -14,6 +14,7 @@ import pytest
 from unittest import mock
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import backends  # noqa: E402
 import bench  # noqa: E402
 from conftest import CACHE, REPO, TINY, launch, run_train  # noqa: E402
 import overlap  # noqa: E402
@@ -436,6 +437,18 @@ def write_results(folder):
     (folder / "cpu-sweep.json").write_text(json.dumps(PROVENANCE | {"device": "cpu: X (2 cores)", "sweep": sweep,
                                                                      "date": "2025-01-03T00:00:00+00:00"}))
     return folder
+
+
+@pytest.mark.parametrize("rows,extra,noted", [(["ddp", "custom_fsdp:prefetch=False"], [], False),
+                                              (["ddp", "fsdp:prefetch=False"], [], True),
+                                              (["ddp", "fsdp"], ["--prefetch=False"], True),
+                                              (["ddp", "fsdp:prefetch=True"], ["--prefetch=False"], False)])
+def test_a_table_with_fsdp_unprefetched_says_only_its_forward_prefetch_is_off(rows, extra, noted):
+    """FSDP2 has no switch for its backward prefetch: a row of fsdp with prefetch=False (its own, or
+    every row's) gets a line under the table saying so; custom_fsdp's prefetch=False is all off."""
+    table = {b: table_row(30.0, 9000.0, comm=(0.0, 0.0, 12.0)) for b in rows}
+    lines = bench.render_backends({"backends": table, "extra": extra})
+    assert (backends.FSDP_PREFETCH_OFF.split("prefetch=False", 1)[1] in lines[-1]) == noted, lines
 
 
 def test_render_writes_each_results_file_as_a_markdown_table(tmp_path, capsys):

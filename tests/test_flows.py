@@ -159,6 +159,33 @@ def test_the_input_gate_keeps_containers_and_overlap(report):
     reference_holds(r["fsdp2"]["list_entries"] == 1, "hands the module a copy of a list argument")
 
 
+@pytest.mark.parametrize("setting", ["default", "empty_lists", "explicit_lists"])
+def test_each_prefetch_setting_issues_fsdp2s_collectives_in_fsdp2s_order(report, setting):
+    """A step as a rank sees it: each collective issued (kind and size), each unit's forward starting
+    and the gradient reaching each unit's computation, under ours and FSDP2, the same. With no
+    lists, or empty ones, nothing is prefetched in forward, and in backward each unit gathers the
+    unit that runs backward next before its own gradient is computed."""
+    r = checked(report, "prefetch_orders")
+    ours, theirs = r["ours"][setting], r["fsdp2"][setting]
+    first_difference = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
+    assert ours == theirs, (f"{setting}: from event {first_difference} on, ours {ours[first_difference:]} "
+                            f"against FSDP2's {theirs[first_difference:]}")
+    after_forward = max(i for i, e in enumerate(ours) if e.startswith("forward:"))
+    gathered_when = [e for e in ours[:after_forward + 1] if e.startswith(("all_gather", "forward"))]
+    if setting == "explicit_lists":  # (train.py's: each unit's forward issues the next unit's gather)
+        assert gathered_when[:3] == ["all_gather:90", "all_gather:144", "forward:root"], gathered_when
+    else:  # (each unit gathered at its own forward, none ahead)
+        assert gathered_when == [x for i in range(4) for x in ([f"all_gather:{90 if i == 0 else 144}",
+                                                                "forward:" + ("root" if i == 0 else f"blocks.{i - 1}")])]
+    # backward: the gathers issued before each unit's gradient (the root's, blocks.2's, .1's, .0's);
+    # prefetching, the root gathers blocks.2, and blocks.0 is there before blocks.1 has finished
+    marks = [i for i, e in enumerate(ours) if e.startswith("grad:")]
+    bounds = [after_forward] + marks
+    gathers = [sum(e.startswith("all_gather") for e in ours[a:b]) for a, b in zip(bounds, bounds[1:])]
+    assert [ours[i] for i in marks] == ["grad:root", "grad:blocks.2", "grad:blocks.1", "grad:blocks.0"], ours
+    assert gathers == [1, 1, 1, 0], (gathers, ours)
+
+
 def test_a_late_unshard_handle_wait_gathers_nothing(report):
     """wait() on an unshard handle whose gather the forward already used and freed does nothing: it
     must not gather the block again and leave it gathered (its DTensors unregistered)."""

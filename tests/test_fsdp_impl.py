@@ -231,7 +231,8 @@ def _gather_bytes(rec, units, elem=4):
 
 
 @pytest.mark.parametrize("world", WORLDS)
-@pytest.mark.parametrize("tag,elem", [("zero3", 4), ("bf16", 2), ("no_prefetch", 4), ("explicit_prefetch", 4)])
+@pytest.mark.parametrize("tag,elem", [("zero3", 4), ("bf16", 2), ("no_prefetch", 4), ("explicit_prefetch", 4),
+                                      ("empty_lists", 4), ("next_unit", 4)])
 def test_comm_zero3(results, world, tag, elem):
     rec = _comm(results, world, tag)
     assert rec["shard_world"] == world
@@ -384,29 +385,36 @@ def _ev(s):
     return [tuple(x.split(":")) for x in s.split()]
 
 
-# ZeRO-3 with the default prefetch, from the second step on (the first step records the order)
-ZERO3_STEP = _ev(f"""
-    all_gather:{R} all_gather_wait:{R} all_gather:{B0} forward:{R}
-    all_gather_wait:{B0} all_gather:{B1} forward:{B0} forward_end:{B0} free:{B0}
-    all_gather_wait:{B1} forward:{B1} forward_end:{B1} free:{B1}
-    forward_end:{R}
-    all_gather:{B1} backward:{R}
-    all_gather_wait:{B1} all_gather:{B0} backward:{B1} backward_end:{B1} free:{B1} reduce_scatter:{B1}
-    all_gather_wait:{B0} backward:{B0} backward_end:{B0} free:{B0} reduce_scatter_wait:{B1} reduce_scatter:{B0}
-    backward_end:{R} free:{R} reduce_scatter_wait:{B0} reduce_scatter:{R} reduce_scatter_wait:{R}
-""")
-
-# prefetch switched off on every module: each all-gather is waited for at once
-NO_PREFETCH_STEP = _ev(f"""
+# ZeRO-3's forward and backward, from the second step on (the first records the order). Each unit
+# gathered at its own start, or prefetched: forward as train.py's lists (the next unit), backward as
+# FSDP2's default (the unit that runs backward next, from the post-forward order)
+FORWARD_ON_DEMAND = f"""
     all_gather:{R} all_gather_wait:{R} forward:{R}
     all_gather:{B0} all_gather_wait:{B0} forward:{B0} forward_end:{B0} free:{B0}
     all_gather:{B1} all_gather_wait:{B1} forward:{B1} forward_end:{B1} free:{B1}
     forward_end:{R}
+"""
+FORWARD_PREFETCHED = f"""
+    all_gather:{R} all_gather_wait:{R} all_gather:{B0} forward:{R}
+    all_gather_wait:{B0} all_gather:{B1} forward:{B0} forward_end:{B0} free:{B0}
+    all_gather_wait:{B1} forward:{B1} forward_end:{B1} free:{B1}
+    forward_end:{R}
+"""
+BACKWARD_ON_DEMAND = f"""
     backward:{R}
     all_gather:{B1} all_gather_wait:{B1} backward:{B1} backward_end:{B1} free:{B1} reduce_scatter:{B1}
     all_gather:{B0} all_gather_wait:{B0} backward:{B0} backward_end:{B0} free:{B0} reduce_scatter_wait:{B1} reduce_scatter:{B0}
     backward_end:{R} free:{R} reduce_scatter_wait:{B0} reduce_scatter:{R} reduce_scatter_wait:{R}
-""")
+"""
+BACKWARD_PREFETCHED = f"""
+    all_gather:{B1} backward:{R}
+    all_gather_wait:{B1} all_gather:{B0} backward:{B1} backward_end:{B1} free:{B1} reduce_scatter:{B1}
+    all_gather_wait:{B0} backward:{B0} backward_end:{B0} free:{B0} reduce_scatter_wait:{B1} reduce_scatter:{B0}
+    backward_end:{R} free:{R} reduce_scatter_wait:{B0} reduce_scatter:{R} reduce_scatter_wait:{R}
+"""
+ZERO3_STEP = _ev(FORWARD_ON_DEMAND + BACKWARD_PREFETCHED)  # no lists given: FSDP2's defaults
+NEXT_UNIT_STEP = _ev(FORWARD_PREFETCHED + BACKWARD_PREFETCHED)  # train.py's lists
+NO_PREFETCH_STEP = _ev(FORWARD_ON_DEMAND + BACKWARD_ON_DEMAND)  # set_backward_prefetch(False), empty lists
 
 
 def _step2(results, world, tag):
@@ -429,14 +437,17 @@ def _at_world(step, world):
 
 
 @pytest.mark.parametrize("world", WORLDS)
-def test_schedule_zero3_exact(results, world):
-    assert _step2(results, world, "zero3") == _at_world(ZERO3_STEP, world)
+@pytest.mark.parametrize("tag,step", [("zero3", ZERO3_STEP), ("empty_lists", ZERO3_STEP), ("next_unit", NEXT_UNIT_STEP)])
+def test_schedule_zero3_exact(results, world, tag, step):
+    """No lists and empty lists alike: no forward prefetch and backward's default (FSDP2's meaning,
+    which tests/test_flows.py checks against FSDP2 itself); train.py's lists prefetch in both."""
+    assert _step2(results, world, tag) == _at_world(step, world)
 
 
 @pytest.mark.parametrize("world", WORLDS)
 def test_schedule_zero3_prefetch_overlap(results, world):
-    """The properties the exact sequence encodes, one by one (clearer failures)."""
-    ev = _step2(results, world, "zero3")
+    """The properties the exact sequence of train.py's lists encodes, one by one (clearer failures)."""
+    ev = _step2(results, world, "next_unit")
     idx = {e: i for i, e in enumerate(ev)}  # forward events are unique; backward ones too
 
     def first(e, u, after=0):
