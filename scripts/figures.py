@@ -791,7 +791,8 @@ def render_time_model(result):
                      "predicted.")
         lines.append(f"So this step ran {row['profiled_step_ms'] / same['step_ms']:.1f}x as long under the profiler.")
         lines.append("A trace shows the order of events, not the unprofiled step's lengths.")
-    lines.append("The scatter's measured steps are unprofiled.")
+    else:
+        lines.append("The scatter's measured steps are unprofiled.")
     return lines
 
 
