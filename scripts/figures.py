@@ -9,7 +9,8 @@ Every figure and table of docs/LEARN.md, made from this project's own plans and 
 Figures: a rank's memory over two planned steps (plan.py --timeline), and profiled steps as lanes
 (overlap.py --png), custom_fsdp above FSDP2, one per schedule. Tables, each from a JSON file in
 results/learn/: memory per rank by W and its roles (plan.py), the step's communication against its
-formula (plan.py), collectives alone (scripts/collectives.py), step time and exposed communication
+formula (plan.py), each backend's losses against one process (train.py), collectives alone
+(scripts/collectives.py), step time and exposed communication
 (bench.py), weak scaling (plan.py and bench.py). The time model: plan.py's predicted step drawn
 under a profiled one, and the validation grid's results (scripts/time_grid.py, results/cpu-grid-*.json)
 as predicted against measured. Each figure's commands go to commands.md beside it.
@@ -512,6 +513,58 @@ def render_weak_scaling(result):
     return lines
 
 
+# ---- correctness: one training run per backend against one process -----------------------------------
+# label, W, backend: the same global batch (2 micro-batches) in one process and over 2 ranks
+CORRECTNESS_RUNS = [("one process", 1, "ddp"), ("ddp", 2, "ddp"), ("fsdp", 2, "fsdp"), ("custom_fsdp", 2, "custom_fsdp")]
+
+
+def correctness(fig):
+    """Each run's loss and grad norm per iteration (train.py's metrics.jsonl), same seed, data and
+    global batch; LEARN.md tabulates how far each is from one process, and from FSDP2."""
+    model = ["--n_layer=2", "--n_head=2", "--n_embd=64", "--block_size=32", "--batch_size=4"] if fig.small else \
+        ["--n_layer=4", "--n_head=4", "--n_embd=128", "--block_size=64", "--batch_size=8"]
+    iters = 3 if fig.small else 10
+    rows = []
+    for label, world, backend in CORRECTNESS_RUNS:
+        out = os.path.join(fig.work, f"correctness-{label.replace(' ', '-')}")
+        argv = ["train.py", "--device=cpu", f"--out_dir={out}", f"--data_dir={fig.data_dir}", f"--dist_backend={backend}",
+                *model, "--gradient_accumulation_steps=2", "--dtype=float32", f"--max_iters={iters}", "--eval_iters=0",
+                "--eval_interval=1000000", "--keep_checkpoints=0", "--log_interval=1", "--wrap_policy=block"]
+        fig.run(["correctness"], argv, torchrun=world if world > 1 else 0)
+        with open(os.path.join(out, "metrics.jsonl")) as f:
+            steps = [r for r in map(json.loads, f) if "loss" in r and "grad_norm" in r]
+        rows.append(dict(run=label, world=world, backend=backend, model=model,
+                         loss=[r["loss"] for r in steps], grad_norm=[r["grad_norm"] for r in steps]))
+    fig.save("correctness", rows, fig.commands["correctness"])
+
+
+def render_correctness(result):
+    """Per run: the last loss, and the largest gaps of loss and grad norm to one process and to FSDP2."""
+    runs = {r["run"]: r for r in result["rows"]}
+    one, fsdp2 = runs["one process"], runs["fsdp"]
+
+    def gap(r, ref, key):
+        return max(abs(a - b) for a, b in zip(r[key], ref[key]))
+    lines = ["| run | W | last loss | largest loss gap to one process | largest grad-norm gap | the same bits as FSDP2 |",
+             "|---|---:|---:|---:|---:|---|"]
+    for r in result["rows"]:
+        same = "-" if r is fsdp2 or r["world"] != fsdp2["world"] else \
+            ("yes" if r["loss"] == fsdp2["loss"] and r["grad_norm"] == fsdp2["grad_norm"] else "no")
+        lines.append(f"| {r['run']} | {r['world']} | {r['loss'][-1]:.6f} | {gap(r, one, 'loss'):.1e} | "
+                     f"{gap(r, one, 'grad_norm'):.1e} | {same} |")
+    lines += ["", f"{len(one['loss'])} steps of the same global batch, 2 micro-batches, from one seed, float32 on CPU; "
+                  f"`{' '.join(one['model'])}`, a unit per block; {result['device']}, {result['torch']}, "
+                  f"commit {result['commit']}."]
+    exact = [r["run"] for r in result["rows"] if r is not one and not gap(r, one, "loss") and not gap(r, one, "grad_norm")]
+    if exact:
+        lines.append(f"{' and '.join(exact)} {'equals' if len(exact) == 1 else 'equal'} one process bit for bit.")
+    if gap(fsdp2, one, "grad_norm"):
+        lines.append("The FSDP backends sum the gradient norm's squares shard by shard, in another order than one process, "
+                     "so the norm differs in its last bits. Clipping (grad_clip=1.0) scales each step by it, "
+                     "so the losses drift by as much.")
+    return lines
+
+
 # ---- unit size and prefetch: plan.py's peak, bench.py's step -------------------------------------
 # name, blocks per unit (None: one unit for the whole model), train.py settings
 UNIT_SIZES = [("1 block", 1, ["wrap_policy=block"]), ("1 block, no prefetch", 1, ["wrap_policy=block", "prefetch=False"]),
@@ -798,10 +851,12 @@ def render_time_model(result):
 
 RENDER = {"memory-by-w": render_memory_by_w, "comm-formula": render_comm_formula, "trace-figures": render_traces,
           "collectives": render_collectives, "step-time": render_step_time, "weak-scaling": render_weak_scaling,
-          "time-model": render_time_model, "unit-sizes": render_unit_sizes, "snapshots": render_snapshots}
+          "time-model": render_time_model, "unit-sizes": render_unit_sizes, "snapshots": render_snapshots,
+          "correctness": render_correctness}
 SOURCES = {"memory-by-w": "memory-by-w", "comm-formula": "memory-by-w", "trace-figures": "traces",
            "collectives": "collectives", "step-time": os.path.join("..", STEP_TIME), "weak-scaling": "weak-scaling",
-           "time-model": "time-model", "unit-sizes": "unit-sizes", "snapshots": "memory-by-w"}
+           "time-model": "time-model", "unit-sizes": "unit-sizes", "snapshots": "memory-by-w",
+           "correctness": "correctness"}
 
 
 def render(doc, results_dir, missing_ok=False):
@@ -835,7 +890,7 @@ def main():
     p.add_argument("--small", action="store_true", help="each kind of figure once, on tiny models")
     p.add_argument("--render", action="store_true", help="only fill the tables, from the results' JSON")
     p.add_argument("--only", default="", help="these parts alone, comma-separated: architecture, memory, "
-                                              "traces, collectives, step_time, weak_scaling, unit_sizes, time_model")
+                                              "traces, collectives, correctness, step_time, weak_scaling, unit_sizes, time_model")
     p.add_argument("--figures_dir", default=os.path.join(HERE, "docs", "figures"))
     p.add_argument("--results_dir", default=os.path.join(HERE, "results", "learn"),
                    help="the tables' JSON (not results/*.json, which IMPLEMENTATION.md renders)")
@@ -854,8 +909,8 @@ def main():
             p.error(f"--data_dir={args.data_dir} has no train.bin: run python data/shakespeare_char/prepare.py")
         fig = Figures(args.figures_dir, args.results_dir, args.small, args.data_dir)
         try:
-            parts = (architecture, memory, traces, collectives, time_model) if args.small else (
-                architecture, memory, traces, collectives, step_time, weak_scaling, unit_sizes, time_model)
+            parts = (architecture, memory, traces, collectives, correctness, time_model) if args.small else (
+                architecture, memory, traces, collectives, correctness, step_time, weak_scaling, unit_sizes, time_model)
             for part in [p for p in parts if not args.only or p.__name__ in args.only.split(",")]:
                 started = time.time()
                 print(f"{part.__name__} ...", end=" ", flush=True)

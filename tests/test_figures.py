@@ -58,6 +58,11 @@ def test_the_small_form_makes_each_kind_of_figure_and_fills_its_tables(char_data
     assert [r["ran_as"] for r in collectives] == ["gloo:all_gather", "gloo:all_reduce", "gloo:all_reduce"]
     assert len([line for line in filled["collectives"] if line.startswith("| all_")]) == 2
     assert not filled.get("step-time") and not filled.get("weak-scaling")  # (the full form's: bench.py runs)
+    runs = json.loads((results / "correctness.json").read_text())["rows"]
+    assert [r["run"] for r in runs] == ["one process", "ddp", "fsdp", "custom_fsdp"] and len(runs[0]["loss"]) == 3
+    fsdp2, ours = runs[2], runs[3]
+    assert (ours["loss"], ours["grad_norm"]) == (fsdp2["loss"], fsdp2["grad_norm"])  # (bit for bit: same kernels, sums)
+    assert [line.split(" | ")[-1] for line in filled["correctness"] if line.startswith("| custom_fsdp |")] == ["yes |"]
 
 
 def test_learn_md_is_what_its_results_render_to(tmp_path):
