@@ -633,6 +633,67 @@ def render_unit_sizes(result):
 
 
 # ---- fsdp_impl's step, drawn ------------------------------------------------------------------------
+SHARDING_WORLD = 3  # ranks in the sharding figure: 8 rows do not split evenly, so padding shows
+
+
+def draw_sharding(png):
+    """One transformer block of an 8-wide GPT at W=3, as fsdp_impl lays it out (its ParamShard and
+    Layout, on a meta model): each parameter's rows split by rank, with the padding a short last
+    chunk gets, and each rank's flat shard, the parameters back to back."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from fsdp_impl.layout import Layout
+    from fsdp_impl.param import ParamShard
+    from model import GPT, GPTConfig
+    world = SHARDING_WORLD
+    with torch.device("meta"):
+        block = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=8, block_size=8, vocab_size=16, dropout=0.0,
+                              bias=False)).transformer.h[0]
+    named = list(block.named_parameters())
+    shards = []  # per rank: its ParamShards, laid out
+    for rank in range(world):
+        shards.append([ParamShard([], p, world, rank, None, None, 0) for _, p in named])
+        Layout(shards[-1], world)
+    rank_colours = ["#4c72b0", "#55a868", "#dd8452"]
+    fig_, (left, right) = plt.subplots(1, 2, figsize=(13, 5.2), gridspec_kw={"width_ratios": [1, 1.6]})
+    for i, (name, p) in enumerate(named):
+        y, rows = len(named) - 1 - i, p.shape[0]
+        for rank in range(world):
+            ps = shards[rank][i]
+            size, held = -(-rows // world), ps.local_shape[0]  # (torch.chunk's rows per rank, and what it got)
+            left.barh(y, held, left=ps.first, color=rank_colours[rank], edgecolor="white")
+            if held < size:  # (the padding: rows this rank's chunk lacks, zeros in its flat shard)
+                left.barh(y, size - held, left=ps.first + held, color="white", edgecolor=rank_colours[rank], hatch="//")
+        left.text(-0.5, y, f"{name} {tuple(p.shape)}", ha="right", va="center", fontsize=9)
+    left.set_yticks([])
+    left.set_xlabel("rows (dim 0): rank r holds torch.chunk's rows r*ceil(rows/W) onwards")
+    left.set_title(f"each parameter's rows over W={world} ranks", fontsize=10)
+    left.set_xlim(-0.5, max(p.shape[0] for _, p in named) + 2)
+    for rank in range(world):
+        y = world - 1 - rank
+        for i, ((name, p), ps) in enumerate(zip(named, shards[rank])):
+            right.barh(y, ps.local_numel, left=ps.offset, color=rank_colours[rank], edgecolor="white")
+            if ps.slot > ps.local_numel:
+                right.barh(y, ps.slot - ps.local_numel, left=ps.offset + ps.local_numel, color="white",
+                           edgecolor=rank_colours[rank], hatch="//")
+            if rank == 0:
+                right.text(ps.offset + ps.slot / 2, world - 0.5 + 0.15 * (i % 2), name.rsplit(".", 1)[0], ha="center",
+                           fontsize=8)
+        right.text(-2, y, f"rank {rank}", ha="right", va="center", fontsize=9)
+    right.set_yticks([])
+    right.set_xlabel(f"elements of flat_shard ({shards[0][-1].offset + shards[0][-1].slot} per rank): "
+                     "the all-gather's input; the sharded parameters view it")
+    right.set_title("each rank's flat shard: every parameter's chunk, padded to the same size on every rank", fontsize=10)
+    right.set_ylim(-0.6, world - 0.05)
+    left.barh(0, 0, color="white", edgecolor="grey", hatch="//", label="padding: zeros, never a real row")
+    left.legend(loc="upper right", fontsize=8)
+    fig_.suptitle(f"One transformer block (8 wide) sharded over W={world}, as fsdp_impl and FSDP2 lay it out")
+    fig_.tight_layout()
+    fig_.savefig(png, dpi=110)
+    plt.close(fig_)
+
+
 def architecture(fig):
     """docs/figures/fsdp-step.png: where fsdp_impl's hooks fire in one step of two units, and what each
     issues. Drawn from this description, not from a run."""
@@ -688,6 +749,8 @@ def architecture(fig):
     fig_.savefig(fig.figure("fsdp-step"), dpi=110)
     plt.close(fig_)
     fig.commands["fsdp-step"] = ["python scripts/figures.py --only=architecture"]
+    draw_sharding(fig.figure("sharding"))
+    fig.commands["sharding"] = ["python scripts/figures.py --only=architecture"]
 
 
 # ---- the time model: plan.py's predicted step against measured ones -------------------------------
@@ -832,8 +895,8 @@ def render_time_model(result):
               "Top, one profiled step of custom_fsdp at W=2 (the traces' model, ZeRO-3). Bottom, the step plan.py "
               "predicts for the same settings, its phases marked.",
               "With a core per rank, gloo's threads share the core the rank computes on: beside a collective, "
-              "compute slows, and the collective runs slower than alone.",
-              "Where compute waits for a gather, gloo has the core to itself."]
+              "compute slows, and the collective runs slower than alone. Where compute waits for a gather, gloo has "
+              "the core to itself."]
     (row,) = result["rows"]
     lines.append(f"The profiled step took {row['profiled_step_ms']:,.0f} ms; plan.py predicts "
                  f"{row['predicted_step_ms']:,.0f} ms.")
@@ -842,8 +905,8 @@ def render_time_model(result):
         lines.append(f"Unprofiled, the same settings took {same['step_ms']:,.0f} ms, the median of `bench.py`'s runs "
                      f"(the grid's `{same['group']}`, `{same['backend']}`), against {same['predicted_step_ms']:,.0f} ms "
                      "predicted.")
-        lines.append(f"So this step ran {row['profiled_step_ms'] / same['step_ms']:.1f}x as long under the profiler.")
-        lines.append("A trace shows the order of events, not the unprofiled step's lengths.")
+        lines.append(f"So this step ran {row['profiled_step_ms'] / same['step_ms']:.1f}x as long under the profiler. "
+                     "A trace shows the order of events, not the unprofiled step's lengths.")
     else:
         lines.append("The scatter's measured steps are unprofiled.")
     return lines

@@ -29,7 +29,7 @@ def test_the_small_form_makes_each_kind_of_figure_and_fills_its_tables(char_data
                   f"--doc={doc}", f"--data_dir={char_data}"], timeout=240, fork=False)
     assert res.returncode == 0, res.describe()
     made = {p.name for p in figures.glob("*.png")}
-    assert made == {"fsdp-step.png", "memory-tiny-w2.png", "trace-zero3.png", "trace-predicted.png",
+    assert made == {"fsdp-step.png", "sharding.png", "memory-tiny-w2.png", "trace-zero3.png", "trace-predicted.png",
                     "time-model.png"} and all((figures / p).stat().st_size > 10_000 for p in made)
     commands = (figures / "commands.md").read_text()
     for name, command in (("memory-tiny-w2", "python plan.py"), ("trace-zero3", "python overlap.py"),
