@@ -278,9 +278,25 @@ def render_memory_by_w(result):
               "state: parameters, gradients and Adam's moments, 16 bytes a parameter, which FSDP divides by W; "
               "DDP holds all of it.",
               "At the peak, the moment the most bytes are live, the state counts only the gradients alive then; "
-              "communication holds the collectives' buffers.",
-              "At the end of backward every gradient is reduced to its shard: the state columns show the division by W."]
+              "communication holds the collectives' buffers. At the end of backward every gradient is reduced to its "
+              "shard: the state columns show the division by W."]
+    units = {model: blocks_per_unit(TINY_MODEL if model == "tiny" else MODELS[model])
+             for model in dict.fromkeys(r["model"] for r in result["rows"])}
+    lines.append("Units: " + ", ".join(f"{m} {n} block{'s' if n > 1 else ''} each" for m, n in units.items())
+                 + f" (`wrap_policy=size` adds blocks to a unit until it holds {training.defaults()['min_wrap_params'] / 1e6:g}M "
+                 "parameters); "
+                 "the root unit holds the embeddings and the last norm.")
     return lines
+
+
+def blocks_per_unit(settings):
+    """How many transformer blocks train.py's wrap policy puts in one unit of this model (backends.py's rule)."""
+    shape = training.settings(settings)
+    shape["vocab_size"] = training.vocab_size(shape)
+    if shape["wrap_policy"] != "size":
+        return 1 if shape["wrap_policy"] == "block" else shape["n_layer"]
+    block = sum(p.numel() for p in planner.meta_model(shape).transformer.h[0].parameters())
+    return min(shape["n_layer"], -(-shape["min_wrap_params"] // block))
 
 
 def render_snapshots(result):
@@ -609,7 +625,9 @@ def render_unit_sizes(result):
         lines.append(f"| {r['unit']} | {mb(r['unit_bytes'])} | {mb(r['peak_allocated_bytes'])} | {r['peak_at'].removeprefix('step 2 ')} | "
                      f"{mb(made['gathered_parameters'])} | {mb(made['communication'])} | "
                      f"{mb(r['comm_bytes_per_step'].get('all_gather', 0))} | {r['step_ms']:.0f} |")
-    lines += ["", f"custom_fsdp at W=2, the traces' model (57M parameters, float32), 2 micro-steps per rank; "
+    micro = result["rows"][0]["micro_steps"]
+    lines += ["", f"custom_fsdp at W=2, the traces' model (57M parameters, float32), {micro} micro-step"
+              f"{'s' if micro > 1 else ''} per rank; "
               f"{result['device']}, {result['torch']}, commit {result['commit']}.",
               "Unit MB: a unit's parameters in float32, what one gather delivers. Peak: plan.py's, the allocator's bytes. "
               "Step: bench.py's median of 3 repeats.",
