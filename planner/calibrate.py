@@ -231,20 +231,27 @@ def _collectives(rank, world, path, results):
         results.put((out, lost))
 
 
-def _gloo(world):
-    """At `world` processes: ({kind: [[bus bytes, seconds], ...]} beside compute, the same alone, the
-    share of a core gloo takes from compute beside it: the median over the kinds and large sizes)."""
-    path = f"/tmp/fsdp-gpt-calibrate-{os.getpid()}-{world}"
+def _on_ranks(target, world, name):
+    """target(rank, world, store path, results) on `world` forked processes over a file store; returns
+    what rank 0 put in results."""
+    path = f"/tmp/fsdp-gpt-{name}-{os.getpid()}-{world}"
     if os.path.exists(path):
         os.remove(path)
     context = multiprocessing.get_context("fork")
     results = context.Queue()
-    procs = [context.Process(target=_collectives, args=(r, world, path, results)) for r in range(world)]
+    procs = [context.Process(target=target, args=(r, world, path, results)) for r in range(world)]
     for p in procs:
         p.start()
-    measured, lost = results.get(timeout=300)
+    out = results.get(timeout=300)
     for p in procs:
         p.join()
+    return out
+
+
+def _gloo(world):
+    """At `world` processes: ({kind: [[bus bytes, seconds], ...]} beside compute, the same alone, the
+    share of a core gloo takes from compute beside it: the median over the kinds and large sizes)."""
+    measured, lost = _on_ranks(_collectives, world, "calibrate")
     share = (world - 1) / world
     tables = ({}, {})
     for (kind, beside), times in measured.items():  # (fewer bytes never take longer: a slow small call met a busy core)
@@ -376,17 +383,7 @@ def drift(world):
     a barrier for the others, DRIFT_ROUNDS times. What a round takes beyond a rank's own chunk (its
     share of a core past the core count) is time the ranks spend waiting for the slowest: a share of
     the compute between two collectives that the step adds."""
-    path = f"/tmp/fsdp-gpt-drift-{os.getpid()}-{world}"
-    if os.path.exists(path):
-        os.remove(path)
-    context = multiprocessing.get_context("fork")
-    results = context.Queue()
-    procs = [context.Process(target=_drift_rank, args=(r, world, path, results)) for r in range(world)]
-    for p in procs:
-        p.start()
-    wall, chunk = results.get(timeout=300)
-    for p in procs:
-        p.join()
+    wall, chunk = _on_ranks(_drift_rank, world, "drift")
     share = min(1.0, os.cpu_count() / world)
     return round(max(wall * share / chunk - 1, 0.0), 3)
 
