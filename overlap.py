@@ -262,14 +262,16 @@ def groups(path, step=None, name=None):
 def draw(paths, png, step=None, title=None, names=None):
     """The lanes of each file in `paths` (profiled traces, plan.py's predicted steps), one group
     under another, each under its name (`names`, else the file's), on one time axis, into `png`
-    (with `step`: that profiled step alone). Phases start at the grey lines; a legend says the rest."""
+    (with `step`: that profiled step alone; a list: each file's own). Phases start at the grey lines;
+    a legend says the rest."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.lines import Line2D
     from matplotlib.patches import Patch
     colours = {"compute": "#4c72b0", "all-gather": "#55a868", "reduce-scatter / all-reduce": "#dd8452"}
-    drawn = [group for i, path in enumerate(paths) for group in groups(path, step, names[i] if names else None)]
+    steps_of = list(step) if isinstance(step, (list, tuple)) else [step] * len(paths)
+    drawn = [group for i, path in enumerate(paths) for group in groups(path, steps_of[i], names[i] if names else None)]
     end = max([steps[-1][1] for _, (steps, _, _, _) in drawn if steps]
               + [b for _, (_, by_lane, _, _) in drawn for bars in by_lane.values() for _, b, _ in bars] or [1.0])
     height = len(LANES) + 1.6  # (a group's lanes, its name and phases above them, a gap)
@@ -299,7 +301,8 @@ def draw(paths, png, step=None, title=None, names=None):
     ax.set_yticklabels([label for _, label in ticks], fontsize=7)
     ax.set_ylim(0.3, len(drawn) * height)
     ax.set_xlim(0, end * 1.005)
-    start = f"ProfilerStep#{step}'s start" if step is not None else "each trace's first profiled step"
+    start = (f"ProfilerStep#{step}'s start" if isinstance(step, int) else "each drawn step's start" if step is not None
+             else "each trace's first profiled step")
     ax.set_xlabel(f"ms from {start}; labels on bars: the unit (transformer block) a collective serves", fontsize=8)
     ax.tick_params(axis="x", labelsize=7)
     handles = [Patch(color=c, label=lane) for lane, c in colours.items()] + [

@@ -37,6 +37,7 @@ import torch
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, "scripts"))
+import observe  # noqa: E402
 import overlap  # noqa: E402
 import planner  # noqa: E402
 import training  # noqa: E402
@@ -55,13 +56,13 @@ TINY_MODEL = ["--n_layer=3", "--n_head=4", "--n_embd=64", "--batch_size=4", "--b
 # the traces' model: big enough on 2 CPU cores for compute to hide communication under
 TRACE_MODEL = ["--n_layer=8", "--n_head=12", "--n_embd=768", "--batch_size=4", "--block_size=64"]
 TINY_TRACE_MODEL = ["--n_layer=2", "--n_head=2", "--n_embd=64", "--batch_size=4", "--block_size=32"]
-# the schedules the traces show: name, title, caption, train.py settings (two micro-steps per rank
-# unless they say otherwise: gradient_accumulation_steps is the global count, over 2 ranks)
+# the schedules the traces show: name, title, caption, train.py settings (gradient_accumulation_steps
+# is the global count, over 2 ranks: 2 is one micro-step per rank, 4 two)
 SCHEDULES = [
     ("zero3", "ZeRO-3 with prefetch (the default)",
-     "Our FSDP issues each gather early and waits for it only when its unit computes. "
-     "In forward the next unit's gather runs under this unit's compute; in backward the reduce-scatters run "
-     "beside backward's compute. FSDP2 waits for each gather as it issues it, on gloo (see below).",
+     "Our FSDP issues each gather early and waits for it only when its unit computes, so the next unit's gather "
+     "can run under this unit's compute; red shading marks what did not. FSDP2 waits for each gather as it "
+     "issues it, on gloo (see below).",
      ["--gradient_accumulation_steps=2"]),
     ("zero2", "ZeRO-2 in FSDP's sense: reshard_after_forward=False",
      "Units stay gathered from forward to backward, so backward gathers nothing: two collectives per unit, not three.",
@@ -340,38 +341,54 @@ def render_comm_formula(result):
 
 # ---- traces: train.py --profile, overlap.py --png ---------------------------------------------------
 def traces(fig):
-    """Per schedule, one profiled step of each backend drawn as lanes, its overlap figures into
-    results/learn/traces.json, and the step trimmed for Perfetto beside the figures."""
+    """Per schedule, each backend's median profiled step (of observe.py's window) drawn as lanes, its
+    overlap figures into results/learn/traces.json, and that step trimmed for Perfetto beside the
+    figures. Then the same schedules as plan.py predicts them on two H100s, in one figure."""
     schedules = SCHEDULES[:1] if fig.small else SCHEDULES
     model = TINY_TRACE_MODEL if fig.small else TRACE_MODEL
-    rows = []
+    rows, predicted = [], []
     for name, title, _, settings in schedules:
-        paths = []
+        paths, drawn = [], []
         for backend in ("custom_fsdp",) if fig.small else ("custom_fsdp", "fsdp"):
             out = os.path.join(fig.work, f"trace-{name}-{backend}")
             fig.run([f"trace-{name}"], ["train.py", "--device=cpu", f"--data_dir={fig.data_dir}", f"--out_dir={out}",
-                                        f"--dist_backend={backend}", *model, "--wrap_policy=block", "--max_iters=3",
-                                        "--eval_iters=0", "--eval_interval=1000", "--keep_checkpoints=0",
-                                        "--profile=True", *settings], torchrun=2)
+                                        f"--dist_backend={backend}", *model, "--wrap_policy=block",
+                                        f"--max_iters={observe.PROFILE_STEPS[1]}", "--eval_iters=0",
+                                        "--eval_interval=1000", "--keep_checkpoints=0", "--profile=True", *settings],
+                     torchrun=2)
             paths.append(os.path.join(out, "traces", backend, "rank0.json"))
             trace = overlap.load(paths[-1])
-            (step,) = [r for r in overlap.analyse(trace) if r["step"] == "ProfilerStep#2"]
-            rows.append(dict(step, schedule=name, backend=backend))
-            perfetto(trace, os.path.join(fig.figures_dir, "perfetto", f"{name}-{backend}.json.gz"))
+            steps = sorted(overlap.analyse(trace), key=lambda r: r["step_ms"])
+            median = steps[len(steps) // 2]
+            drawn.append(int(median["step"].removeprefix("ProfilerStep#")))
+            rows.append(dict(median, schedule=name, backend=backend, profiled_steps_ms=[r["step_ms"] for r in steps]))
+            perfetto(trace, os.path.join(fig.figures_dir, "perfetto", f"{name}-{backend}.json.gz"), median["step"])
         png = fig.figure(f"trace-{name}")
-        overlap.draw(paths, png, step=2, names=[TRACE_NAMES[os.path.basename(os.path.dirname(p))] for p in paths],
-                     title=f"{title}: one profiled step, W=2 on 2 CPU cores (gloo), 57M parameters, float32")
-        fig.commands[f"trace-{name}"].append(fig.shown(f"python overlap.py {shlex.join(paths)} --png={png} --step=2"))
-    fig.save("traces", rows, [c for name, *_ in schedules for c in fig.commands[f"trace-{name}"]])
+        overlap.draw(paths, png, step=drawn, names=[TRACE_NAMES[os.path.basename(os.path.dirname(p))] for p in paths],
+                     title=f"{title}: each backend's median profiled step, W=2 on 2 CPU cores (gloo), 57M parameters, float32")
+        fig.commands[f"trace-{name}"].append(fig.shown(f"python overlap.py {shlex.join(paths)} --png={png}"))
+        lanes = os.path.join(fig.work, f"h100-{name}.json")
+        fig.run(["trace-h100"], ["plan.py", "--gpu=h100", "--nproc=2", "--dist_backend=custom_fsdp", *model,
+                                 "--wrap_policy=block", "--dtype=float32", *settings, f"--lanes_json={lanes}"])
+        predicted.append((lanes, title))
+    png = fig.figure("trace-h100")
+    overlap.draw([p for p, _ in predicted], png, names=[f"{t}: custom_fsdp W=2, predicted" for _, t in predicted],
+                 title="The same schedules on two H100s, as plan.py predicts them (float32; datasheet figures)")
+    fig.commands["trace-h100"].append(fig.shown(f"python overlap.py {shlex.join(p for p, _ in predicted)} --png={png}"))
+    fig.save("traces", rows, [c for name, *_ in schedules for c in fig.commands[f"trace-{name}"]]
+             + fig.commands["trace-h100"])
 
 
-def perfetto(trace, path):
-    """The profiled step for ui.perfetto.dev, small: the operators' argument lists and autograd's
-    forward-backward arrows dropped, times rounded to 0.1 us, gzipped (Perfetto opens .json.gz)."""
+def perfetto(trace, path, step):
+    """Profiled step `step` (its ProfilerStep name) for ui.perfetto.dev, small: the events within it,
+    the operators' argument lists and autograd's forward-backward arrows dropped, times rounded to
+    0.1 us, gzipped (Perfetto opens .json.gz)."""
     import gzip
+    (span,) = [e for e in trace["traceEvents"] if e.get("name") == step and e.get("ph") == "X"]
+    lo, hi = span["ts"], span["ts"] + span["dur"]
     events = []
     for e in trace["traceEvents"]:
-        if e.get("ph") in ("s", "f"):
+        if e.get("ph") in ("s", "f") or (e.get("ph") == "X" and not (lo <= e["ts"] and e["ts"] + e.get("dur", 0) <= hi)):
             continue
         e = dict(e)
         if e.get("cat") == "cpu_op":
@@ -398,8 +415,14 @@ def render_traces(result):
             lines.append(f"| {r['schedule']} | {r['backend']} | {r['step_ms']:.0f} | {r['comm_ms']:.0f} | "
                          f"{r['exposed_ms']:.0f} | {hidden} | [{r['schedule']}-{r['backend']}.json.gz]"
                          f"(figures/perfetto/{r['schedule']}-{r['backend']}.json.gz) |")
-        lines += ["", "The drawn steps, profiled: the profiler slows each step, so these times are not bench.py's.",
-                  "communication: the time any collective ran; hidden: the part under the training thread's compute."]
+        counts = {len(r.get("profiled_steps_ms", [None])) for r in result["rows"]}
+        lines += ["", f"Each row is its run's median of {counts.pop()} profiled steps, the one drawn; the profiler slows "
+                      "each step, so these times are not bench.py's. communication: the time any collective ran; hidden: "
+                      "the part under the training thread's compute."]
+    lines += ["", "![The same schedules on two H100s, predicted](figures/trace-h100.png)\\",
+              "**The same schedules on two H100s, as plan.py predicts them.** Not measured: datasheet figures, float32 as above. "
+              "On a GPU each collective runs on a stream of its own, so the all-gathers and reduce-scatters run under "
+              "compute where gloo on 2 cores waits."]
     return lines
 
 

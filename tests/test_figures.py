@@ -29,8 +29,8 @@ def test_the_small_form_makes_each_kind_of_figure_and_fills_its_tables(char_data
                   f"--doc={doc}", f"--data_dir={char_data}"], timeout=240, fork=False)
     assert res.returncode == 0, res.describe()
     made = {p.name for p in figures.glob("*.png")}
-    assert made == {"fsdp-step.png", "sharding.png", "memory-tiny-w2.png", "trace-zero3.png", "trace-predicted.png",
-                    "time-model.png"} and all((figures / p).stat().st_size > 10_000 for p in made)
+    assert made == {"fsdp-step.png", "sharding.png", "memory-tiny-w2.png", "trace-zero3.png", "trace-h100.png",
+                    "trace-predicted.png", "time-model.png"} and all((figures / p).stat().st_size > 10_000 for p in made)
     commands = (figures / "commands.md").read_text()
     for name, command in (("memory-tiny-w2", "python plan.py"), ("trace-zero3", "python overlap.py"),
                           ("collectives", "scripts/collectives.py"), ("trace-predicted", "--lanes_json="),
@@ -51,7 +51,9 @@ def test_the_small_form_makes_each_kind_of_figure_and_fills_its_tables(char_data
     assert [(r["schedule"], r["backend"]) for r in traces] == [("zero3", "custom_fsdp")]
     with gzip.open(figures / "perfetto" / "zero3-custom_fsdp.json.gz", "rt") as f:  # (Perfetto opens it as is)
         names = [e.get("name", "") for e in json.load(f)["traceEvents"]]
-    assert "ProfilerStep#2" in names and [n for n in names if n.startswith("phase: ")] == [
+    (step,) = [n for n in names if n.startswith("ProfilerStep#")]  # (the median profiled step alone)
+    assert step == traces[0]["step"] and len(traces[0]["profiled_steps_ms"]) == 3
+    assert [n for n in names if n.startswith("phase: ")] == [
         "phase: forward 0", "phase: backward 0", "phase: clip", "phase: optimizer", "phase: zero_grad"]
     collectives = json.loads((results / "collectives.json").read_text())["rows"]
     assert [r["op"] for r in collectives] == ["all_gather", "reduce_scatter", "all_reduce"]
