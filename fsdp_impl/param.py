@@ -103,8 +103,15 @@ class UnshardedParam:
     def take_grad(self):
         """The grad to reduce: the kept sum, or this backward's grad; the parameter holds none after."""
         grad = self.accumulated_grad if self.accumulated_grad is not None else self.local_grad()
-        self.accumulated_grad, self.param.grad = None, None
+        self.accumulated_grad = None
+        self.drop_grad()
         return grad
+
+    def drop_grad(self):
+        """The parameter holds no grad after. The old one is freed once .grad reads None: freed inside
+        the setter, an allocator's callback (plan.py's counter) would read a half-set grad and crash."""
+        old, self.param.grad = self.param.grad, None
+        del old
 
     def has_grad(self):
         return self.param.grad is not None or self.accumulated_grad is not None

@@ -117,14 +117,14 @@ class GradReduction:
             full = ps.unsharded
             if full.accumulated_grad is not None and full.param.grad is not None:
                 full.accumulated_grad += full.local_grad()
-                full.param.grad = None
+                full.drop_grad()
         self.holds_unreduced = not self.knobs.requires_grad_sync
         if not self.knobs.requires_grad_sync:
             for ps in self.params:  # hold the running sum in reduce_dtype (FSDP2 does the same)
                 full = ps.unsharded
                 if full.param.grad is not None and full.param.grad.dtype != self.reduce_dtype:
                     full.accumulated_grad = full.local_grad().to(self.reduce_dtype)
-                    full.param.grad = None
+                    full.drop_grad()
             return
         with_grad = [ps for ps in self.params if ps.unsharded.has_grad()]
         grads = [ps.unsharded.take_grad() for ps in with_grad]
