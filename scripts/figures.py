@@ -748,7 +748,7 @@ def architecture(fig):
     steps = [("hook", "pre-forward A:\ngather A, wait;\nissue gather B", ["gather B"]),
              ("compute", "forward A", []), ("hook", "post-forward A:\nfree gathered A", []),
              ("hook", "pre-forward B:\nwait for gather B", []), ("compute", "forward B", []),
-             ("hook", "post-forward B:\nkeep B gathered\n(its backward is next)", []),
+             ("hook", "post-forward B:\nkeep B gathered,\nbackward is next", []),
              ("hook", "pre-backward B\n(B's output grad):\nissue gather A", ["gather A"]),
              ("compute", "backward B", []),
              ("hook", "post-backward B:\nreduce-scatter B's\ngrads; free B", ["reduce-scatter B"]),
@@ -757,7 +757,7 @@ def architecture(fig):
              ("hook", "end of backward\n(queued callback):\nwait reductions", []),
              ("compute", "optimizer step\non own shards", [])]
     width = {"hook": 2.8, "compute": 2.4}
-    boxes, phases, x = [("all-gather", 0.0, 2.8, "gather A\n(nothing to hide under)")], [], 0.0
+    boxes, phases, x = [("all-gather", 0.0, 2.8, "gather A:\nnothing to\nhide under")], [], 0.0
     for lane, text, issued in steps:
         phase = {"pre-forward A": "forward", "pre-backward B": "backward", "optimizer": "optimizer"}
         phases += [(x, name) for start, name in phase.items() if text.startswith(start)]
@@ -765,28 +765,37 @@ def architecture(fig):
         x += width[lane]
         for collective in issued:
             boxes.append(("all-gather" if collective.startswith("gather") else "reduce-scatter", x, x + 2.4, collective))
-    fig_, ax = plt.subplots(figsize=(15, 4.6))
-    for lane, a, b, text in boxes:
-        y = lanes[lane]
-        ax.add_patch(FancyBboxPatch((a + 0.05, y - 0.4), b - a - 0.1, 0.8, boxstyle="round,pad=0.0,rounding_size=0.1",
-                                    facecolor=colours[lane], edgecolor="#555555", linewidth=0.6))
-        ax.text((a + b) / 2, y, text, ha="center", va="center", fontsize=6.5,
-                color="black" if lane == "hook" else "white")
-    for at, label in phases:
-        ax.axvline(at, color="#999999", linewidth=0.8, linestyle=":")
-        ax.text(at + 0.1, 3.55, label, fontsize=8, fontweight="bold", va="bottom")
-    ax.set_yticks(list(lanes.values()))
-    ax.set_yticklabels(["hooks (training thread)", "compute", "all-gather (async)", "reduce-scatter (async)"], fontsize=8)
-    ax.set_xlim(-0.2, x + 0.2)
-    ax.set_ylim(-0.75, 4.0)
-    ax.set_xticks([])
-    for side in ("top", "right", "bottom"):
-        ax.spines[side].set_visible(False)
-    ax.set_title("fsdp_impl's step with two units A and B, ZeRO-3 with prefetch: where each hook fires and what it "
-                 "issues", fontsize=9)
-    ax.text(0, -0.6, "No broadcast after the optimizer step: each rank updates only its own shard, and the next "
-            "forward's all-gather delivers the new values to every rank.", fontsize=7.5, va="top")
-    fig_.tight_layout()
+    # two rows, forward above backward and the optimizer, so the text reads at a page's width
+    backward_at = next(at for at, name in phases if name == "backward")
+    span = max(backward_at, x - backward_at)
+    fig_, axes = plt.subplots(2, 1, figsize=(11, 7.4))
+    for ax, (lo, hi) in zip(axes, [(0.0, backward_at), (backward_at, x)]):
+        for lane, a, b, text in boxes:
+            if not lo <= a < hi:
+                continue
+            y = lanes[lane]
+            ax.add_patch(FancyBboxPatch((a - lo + 0.05, y - 0.42), b - a - 0.1, 0.84,
+                                        boxstyle="round,pad=0.0,rounding_size=0.1", facecolor=colours[lane],
+                                        edgecolor="#555555", linewidth=0.6))
+            ax.text((a + b) / 2 - lo, y, text, ha="center", va="center", fontsize=8.5,
+                    color="black" if lane == "hook" else "white")
+        for at, label in phases:
+            if lo <= at < hi:
+                ax.axvline(at - lo, color="#999999", linewidth=0.8, linestyle=":")
+                ax.text(at - lo + 0.1, 3.5, label, fontsize=10, fontweight="bold", va="bottom")
+        ax.set_yticks(list(lanes.values()))
+        ax.set_yticklabels(["hooks\n(training thread)", "compute", "all-gather\n(async)", "reduce-scatter\n(async)"],
+                           fontsize=9)
+        ax.set_xlim(-0.2, span + 0.2)
+        ax.set_ylim(-0.6, 4.0)
+        ax.set_xticks([])
+        for side in ("top", "right", "bottom"):
+            ax.spines[side].set_visible(False)
+    axes[0].set_title("fsdp_impl's step with two units A and B, ZeRO-3 with prefetch:\nwhere each hook fires and "
+                      "what it issues", fontsize=11)
+    fig_.text(0.02, 0.01, "No broadcast after the optimizer step: each rank updates only its own shard, and the next "
+              "forward's all-gather\ndelivers the new values to every rank.", fontsize=9, va="bottom")
+    fig_.tight_layout(rect=(0, 0.05, 1, 1))
     fig_.savefig(fig.figure("fsdp-step"), dpi=110)
     plt.close(fig_)
     fig.commands["fsdp-step"] = ["python scripts/figures.py --only=architecture"]
