@@ -372,8 +372,8 @@ def roles(model, optimizer, comm_storages):
                 role.setdefault(storage_id(p), "gathered_parameters")
                 if p.grad is not None:
                     role.setdefault(storage_id(p.grad), "gradients")
-    for bucket, _ in getattr(model, "_planned_ddp_buckets", ()):  # DDP's gradient buckets
-        role.setdefault(storage_id(bucket), "gradients")
+    for bucket, _ in getattr(model, "_planned_ddp_buckets", ()):  # DDP's buckets: copies its all-reduce reads
+        role.setdefault(storage_id(bucket), "communication")
     for key in comm_storages:
         role.setdefault(key, "communication")
     return role

@@ -51,7 +51,6 @@ MODELS = {"124M": ["config/train_gpt2.py", "--batch_size=2"],
           "1.3B": ["config/train_gpt2.py", "config/model_1b.py", "--batch_size=1"],
           "7B": ["config/train_gpt2.py", "config/model_7b.py", "--batch_size=1"]}
 SNAPSHOT_W = 2  # the memory snapshots LEARN.md links: 124M at this W, each backend
-BASELINE_W = 8  # the memory table's DDP row (DDP's memory per rank is the same at any W)
 TINY_MODEL = ["--n_layer=3", "--n_head=4", "--n_embd=64", "--batch_size=4", "--block_size=32", "--wrap_policy=block"]
 # the traces' model: big enough on 2 CPU cores for compute to hide communication under
 TRACE_MODEL = ["--n_layer=8", "--n_head=12", "--n_embd=768", "--batch_size=4", "--block_size=64"]
@@ -229,8 +228,8 @@ def memory(fig):
             name = f"memory-{model}-w{w}"
             timelines = []
             backends = [None] if drawn.get(w) == "all" else ["fsdp", "custom_fsdp"] if w in drawn else ["custom_fsdp"]
-            if w == BASELINE_W and backends != [None]:
-                backends = ["ddp"] + backends  # (the table's baseline: DDP holds the whole state at any W)
+            if backends != [None]:
+                backends = ["ddp"] + backends  # (each W's baseline: DDP at the same W, its buckets included)
             for backend in backends:
                 argv = ["plan.py", *settings, f"--nproc={w}", f"--gradient_accumulation_steps={w}", f"--json={plans}"]
                 argv += [f"--dist_backend={backend}"] * (backend is not None)
@@ -255,21 +254,23 @@ def memory(fig):
 
 
 def render_memory_by_w(result):
-    """Per model: DDP's peak per rank as the baseline, then custom_fsdp's at each W, with the state
+    """Per model: DDP at the fewest ranks as the baseline, then custom_fsdp's at each W against DDP at that W, with the state
     it shards, what the peak is made of, and the state at a fixed moment, the end of backward."""
     def gb(n):
         return f"{n / GB:.2f}"
-    lines = ["| model | backend | W | state | peak | peak vs DDP | peak at | at the peak: state | gathered | activations "
+    lines = ["| model | backend | W | state | peak | peak vs DDP at this W | peak at | at the peak: state | gathered | activations "
              "| communication | end of backward: parameters | gradients | optimizer state |",
              "|---|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
     for model in dict.fromkeys(r["model"] for r in result["rows"]):
         rows = [r for r in result["rows"] if r["model"] == model]
-        base = next((r for r in rows if r["backend"] == "ddp" and r["nproc"] == max(x["nproc"] for x in rows
-                                                                                     if x["backend"] == "ddp")), None)
+        ddp = {r["nproc"]: r for r in rows if r["backend"] == "ddp"}
+        base = ddp[min(ddp)] if ddp else None  # (the write-up's baseline: DDP at the fewest ranks)
         for r in ([base] if base else []) + [r for r in rows if r["backend"] == "custom_fsdp"]:
             peak, end = r["peak_made_of"], r.get("backward_end_made_of") or {}
             state = sum(peak[k] for k in STATE_ROLES)
-            ratio = f"{base['peak_allocated_bytes'] / r['peak_allocated_bytes']:.1f}x less" if base and r is not base else "1"
+            same_w = ddp.get(r["nproc"])
+            ratio = "1" if r is base or same_w is None else \
+                f"{same_w['peak_allocated_bytes'] / r['peak_allocated_bytes']:.1f}x less"
             lines.append(f"| {model} | {r['backend']} | {r['nproc']} | {gb(r['state_bytes'])} | "
                          f"{gb(r['peak_allocated_bytes'])} | {ratio} | {r['peak_at'].removeprefix('step 2 ')} | {gb(state)} | "
                          f"{gb(peak['gathered_parameters'])} | {gb(peak['activations'])} | "
@@ -279,7 +280,7 @@ def render_memory_by_w(result):
               "state: parameters, gradients and Adam's moments, 16 bytes a parameter, which FSDP divides by W; "
               "DDP holds all of it.",
               "At the peak, the moment the most bytes are live, the state counts only the gradients alive then; "
-              "communication holds the collectives' buffers. At the end of backward every gradient is reduced to its "
+              "communication holds the collectives' buffers, DDP's buckets among them. At the end of backward every gradient is reduced to its "
               "shard: the state columns show the division by W."]
     units = {model: blocks_per_unit(TINY_MODEL if model == "tiny" else MODELS[model])
              for model in dict.fromkeys(r["model"] for r in result["rows"])}
