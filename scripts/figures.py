@@ -269,8 +269,8 @@ def render_memory_by_w(result):
             peak, end = r["peak_made_of"], r.get("backward_end_made_of") or {}
             state = sum(peak[k] for k in STATE_ROLES)
             same_w = ddp.get(r["nproc"])
-            ratio = "1" if r is base or same_w is None else \
-                f"{same_w['peak_allocated_bytes'] / r['peak_allocated_bytes']:.1f}x less"
+            less = None if r is base or same_w is None else same_w["peak_allocated_bytes"] / r["peak_allocated_bytes"]
+            ratio = "1" if less is None else f"{less:.{2 if less < 1.1 else 1}f}x less"
             lines.append(f"| {model} | {r['backend']} | {r['nproc']} | {gb(r['state_bytes'])} | "
                          f"{gb(r['peak_allocated_bytes'])} | {ratio} | {r['peak_at'].removeprefix('step 2 ')} | {gb(state)} | "
                          f"{gb(peak['gathered_parameters'])} | {gb(peak['activations'])} | "
@@ -312,9 +312,12 @@ def render_comm_formula(result):
     all-reduces float32 gradients. Bus bytes are what each rank's link carries."""
     lines = ["| backend | W | all-gather GB | formula | reduce-scatter GB | formula | all-reduce GB | formula "
              "| bus GB | formula |", "|---|---:|" + "---:|" * 8]
+    beside_fsdp2 = {(r["model"], r["nproc"]) for r in result["rows"] if r["backend"] == "fsdp"}
     for r in result["rows"]:
         if r["model"] not in ("124M", "tiny") or r["nproc"] == 1:
             continue
+        if r["backend"] == "ddp" and (r["model"], r["nproc"]) not in beside_fsdp2:
+            continue  # (DDP's bytes are the same at every W: shown where FSDP2's are)
         p, w, c = r["parameters"], r["nproc"], r["comm_bytes_per_step"]
         formula = {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 4 * p} if r["backend"] == "ddp" else {
             "all_gather": 2 * 2 * p, "reduce_scatter": 4 * p, "all_reduce": 0}
