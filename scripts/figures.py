@@ -302,8 +302,15 @@ def blocks_per_unit(settings):
 
 
 def render_snapshots(result):
-    """The memory snapshots plan.py wrote, a link per backend."""
-    return [f"- [{s['backend']}](figures/{s['file']}), {s['bytes'] / 1e3:.0f} KB" for s in result.get("snapshots", [])]
+    """The memory snapshots plan.py wrote, a link per backend, with the peak each shows against the table's."""
+    lines = []
+    for s in result.get("snapshots", []):
+        (row,) = [r for r in result["rows"] if r["backend"] == s["backend"] and s["file"].endswith(
+            f"{r['model']}-w{r['nproc']}-{r['backend']}.pickle")]
+        lines.append(f"- [{s['backend']}](figures/{s['file']}), {s['bytes'] / 1e3:.0f} KB: its peak "
+                     f"{row['cuda_allocated_bytes'] / GB:.2f} GB, the plan's allocated {row['peak_allocated_bytes'] / GB:.2f} GB "
+                     f"plus {(row['cuda_allocated_bytes'] - row['peak_allocated_bytes']) / 1e6:.0f} MB")
+    return lines
 
 
 def render_comm_formula(result):
