@@ -430,6 +430,13 @@ def render_traces(result):
         lines += ["", f"Each row is its run's median of {counts.pop()} profiled steps, the one drawn; the profiler slows "
                       "each step, so these times are not bench.py's. communication: the time any collective ran; hidden: "
                       "the part under the training thread's compute."]
+        comm = {(r["schedule"], r["backend"]): r["comm_ms"] for r in result["rows"]}
+        pairs = [s for s, b in comm if b == "fsdp" and (s, "custom_fsdp") in comm]
+        longer = sum(comm[(s, "custom_fsdp")] > comm[(s, "fsdp")] for s in pairs)
+        if pairs:
+            lines.append(f"Our collectives ran longer than FSDP2's in {longer} of {len(pairs)} schedules: they share the "
+                         "two cores with compute, while FSDP2's run as its thread waits. So one profiled step can favour "
+                         "either backend: compare them by the unprofiled, repeated step-time table below.")
     lines += ["", "![The same schedules on two H100s, predicted](figures/trace-h100.png)\\",
               "**The same schedules on two H100s, as plan.py predicts them.** Not measured: datasheet figures, float32 as above. "
               "On a GPU each collective runs on a stream of its own, so the all-gathers and reduce-scatters run under "
