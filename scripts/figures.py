@@ -351,6 +351,9 @@ def render_comm_formula(result):
 
 
 # ---- traces: train.py --profile, overlap.py --png ---------------------------------------------------
+TRACE_RUNS = 3  # profiled runs per schedule and backend: the figure draws the median run's median step
+
+
 def traces(fig):
     """Per schedule, each backend's median profiled step (of observe.py's window) drawn as lanes, its
     overlap figures into results/learn/traces.json, and that step trimmed for Perfetto beside the
@@ -361,19 +364,25 @@ def traces(fig):
     for name, title, _, settings in schedules:
         paths, drawn = [], []
         for backend in ("custom_fsdp",) if fig.small else ("custom_fsdp", "fsdp"):
-            out = os.path.join(fig.work, f"trace-{name}-{backend}")
-            fig.run([f"trace-{name}"], ["train.py", "--device=cpu", f"--data_dir={fig.data_dir}", f"--out_dir={out}",
-                                        f"--dist_backend={backend}", *model, "--wrap_policy=block",
-                                        f"--max_iters={observe.PROFILE_STEPS[1]}", "--eval_iters=0",
-                                        "--eval_interval=1000", "--keep_checkpoints=0", "--profile=True", *settings],
-                     torchrun=2)
-            paths.append(os.path.join(out, "traces", backend, "rank0.json"))
-            trace = overlap.load(paths[-1])
-            steps = sorted(overlap.analyse(trace), key=lambda r: r["step_ms"])
-            median = steps[len(steps) // 2]
+            runs = []  # per run: (its median profiled step, the trace's path)
+            for run in range(1 if fig.small else TRACE_RUNS):
+                out = os.path.join(fig.work, f"trace-{name}-{backend}-{run}")
+                fig.run([f"trace-{name}"] * (run == 0), ["train.py", "--device=cpu", f"--data_dir={fig.data_dir}",
+                                                        f"--out_dir={out}", f"--dist_backend={backend}", *model,
+                                                        "--wrap_policy=block", f"--max_iters={observe.PROFILE_STEPS[1]}",
+                                                        "--eval_iters=0", "--eval_interval=1000", "--keep_checkpoints=0",
+                                                        "--profile=True", *settings], torchrun=2)
+                path = os.path.join(out, "traces", backend, "rank0.json")
+                steps = sorted(overlap.analyse(overlap.load(path)), key=lambda r: r["step_ms"])
+                runs.append((steps[len(steps) // 2], path, [r["step_ms"] for r in steps]))
+            runs.sort(key=lambda r: r[0]["step_ms"])
+            median, path, steps_ms = runs[len(runs) // 2]  # (the median run's median step)
+            paths.append(path)
             drawn.append(int(median["step"].removeprefix("ProfilerStep#")))
-            rows.append(dict(median, schedule=name, backend=backend, profiled_steps_ms=[r["step_ms"] for r in steps]))
-            perfetto(trace, os.path.join(fig.figures_dir, "perfetto", f"{name}-{backend}.json.gz"), median["step"])
+            rows.append(dict(median, schedule=name, backend=backend, profiled_steps_ms=steps_ms,
+                             runs_step_ms=[r[0]["step_ms"] for r in runs]))
+            perfetto(overlap.load(path), os.path.join(fig.figures_dir, "perfetto", f"{name}-{backend}.json.gz"),
+                     median["step"])
         png = fig.figure(f"trace-{name}")
         overlap.draw(paths, png, step=drawn, names=[TRACE_NAMES[os.path.basename(os.path.dirname(p))] for p in paths],
                      title=f"{title}: each backend's median profiled step, W=2 on 2 CPU cores (gloo), 57M parameters, float32")
@@ -426,10 +435,12 @@ def render_traces(result):
             lines.append(f"| {r['schedule']} | {r['backend']} | {r['step_ms']:.0f} | {r['comm_ms']:.0f} | "
                          f"{r['exposed_ms']:.0f} | {hidden} | [{r['schedule']}-{r['backend']}.json.gz]"
                          f"(figures/perfetto/{r['schedule']}-{r['backend']}.json.gz) |")
-        counts = {len(r.get("profiled_steps_ms", [None])) for r in result["rows"]}
-        lines += ["", f"Each row is its run's median of {counts.pop()} profiled steps, the one drawn; the profiler slows "
-                      "each step, so these times are not bench.py's. communication: the time any collective ran; hidden: "
-                      "the part under the training thread's compute."]
+        steps = {len(r.get("profiled_steps_ms", [None])) for r in result["rows"]}.pop()
+        runs = {len(r.get("runs_step_ms", [None])) for r in result["rows"]}.pop()
+        lines += ["", f"Each row is the step drawn: of {runs} profiled runs, the one whose median step is the median, and "
+                      f"that median of its {steps} profiled steps. The profiler slows each step, so these times are not "
+                      "bench.py's. communication: the time any collective ran; hidden: the part under the training "
+                      "thread's compute."]
         comm = {(r["schedule"], r["backend"]): r["comm_ms"] for r in result["rows"]}
         pairs = [s for s, b in comm if b == "fsdp" and (s, "custom_fsdp") in comm]
         longer = sum(comm[(s, "custom_fsdp")] > comm[(s, "fsdp")] for s in pairs)
