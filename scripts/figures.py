@@ -441,6 +441,11 @@ def render_traces(result):
                       f"that median of its {steps} profiled steps. The profiler slows each step, so these times are not "
                       "bench.py's. communication: the time any collective ran; hidden: the part under the training "
                       "thread's compute."]
+        spread = [r for r in result["rows"] if len(r.get("runs_step_ms", [])) > 1]
+        if spread:
+            widest = max(spread, key=lambda r: max(r["runs_step_ms"]) - min(r["runs_step_ms"]))
+            lines[-1] += (f" The runs disagree: {widest['schedule']} under {widest['backend']} took "
+                          f"{min(widest['runs_step_ms']):,.0f} to {max(widest['runs_step_ms']):,.0f} ms a step.")
         comm = {(r["schedule"], r["backend"]): r["comm_ms"] for r in result["rows"]}
         pairs = [s for s, b in comm if b == "fsdp" and (s, "custom_fsdp") in comm]
         longer = sum(comm[(s, "custom_fsdp")] > comm[(s, "fsdp")] for s in pairs)
