@@ -510,11 +510,16 @@ def render_file(path):
             about, "", *table]
 
 
+GRID_PREFIX = "cpu-grid-"  # scripts/time_grid.py's results
+
+
 def render_results(results_dir=None):
     """Every results_dir/*.json (RESULTS_DIR's by default) as markdown sections, the newest first
-    (by its date; files measured at the same time by name)."""
+    (by its date; files measured at the same time by name). The time model's validation grid is left
+    out: scripts/time_grid.py renders it as one table, a row per file."""
     results_dir = RESULTS_DIR if results_dir is None else results_dir
-    paths = sorted(glob.glob(os.path.join(results_dir, "*.json")))
+    paths = sorted(p for p in glob.glob(os.path.join(results_dir, "*.json"))
+                   if not os.path.basename(p).startswith(GRID_PREFIX))
     dates = {path: read(path, json.load).get("date") or "" for path in paths}
     paths.sort(key=lambda path: dates[path], reverse=True)  # (a stable sort: the names' order within one date)
     sections = [render_file(path) for path in paths]

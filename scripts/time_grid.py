@@ -6,7 +6,7 @@ The held-out groups took no part in choosing or fitting the model; they are repo
 
     python scripts/time_grid.py --data_dir=data/shakespeare_char [--only=1m-w2,57m-w2] [--repeats=3]
     python scripts/time_grid.py --summary        the grid's errors and rank correlations, from results/
-    python scripts/time_grid.py --render         that table into IMPLEMENTATION.md, and its line into README.md
+    python scripts/time_grid.py --render         that table into IMPLEMENTATION.md
 
 Run it on a quiet machine: every figure is a time.
 """
@@ -99,7 +99,7 @@ def summary_lines(results):
              "Spearman's rank correlation |", "|---|---|---:|---:|---:|---:|---:|---:|"]
     for name, (held_out, rows, rho) in groups.items():
         n, within, largest, _ = part_figures([(held_out, rows, rho)])
-        lines.append(f"| `cpu-grid-{name}.json` | {'yes' if held_out else 'no'} | {GRID[name][0]} | {n} | {within} "
+        lines.append(f"| [`cpu-grid-{name}.json`](results/cpu-grid-{name}.json) | {'yes' if held_out else 'no'} | {GRID[name][0]} | {n} | {within} "
                      f"| {largest:+.1%} | {max(r[3] for r in rows):.0%} | {rho:.2f} |")
     lines.append("")
     for part, held in (("Tuned on", False), ("Held out", True)):
@@ -111,33 +111,18 @@ def summary_lines(results):
     return lines
 
 
-def readme_sentence(results):
-    """The README's one line on how fast: what the grid shows, from results/."""
-    groups = summary(results)
-    if not groups:
-        return "The time model's validation grid has not run on this machine yet (`scripts/time_grid.py`)."
-    n, within, largest, rho = part_figures(list(groups.values()))
-    held = [g for g in groups.values() if g[0]]
-    held_n, held_within, _, _ = part_figures(held) if held else (0, 0, 0, 0)
-    return (f"On 2 CPU cores, over {n} settings from 1M to 57M parameters at W=2 and 4, every backend, "
-            f"the predicted step came within {WITHIN:.0%} of `bench.py`'s measured median in {within} "
-            f"({held_within} of the {held_n} held out of any tuning); the largest error was {largest:+.1%}, "
-            f"the lowest rank correlation in a group {rho:.2f} ([the grid](IMPLEMENTATION.md#the-steps-time)).")
-
-
 BEGIN, END = "<!-- time_grid.py: {} -->", "<!-- /time_grid.py -->"
 
 
 def render_into(path, results):
-    """Fill `path`'s time_grid.py blocks: "summary" (the table) and "sentence" (the README's line)."""
+    """Fill `path`'s time_grid.py block: the grid's table."""
     with open(path) as f:
         text = f.read()
-    for block, lines in (("summary", lambda: summary_lines(results)), ("sentence", lambda: [readme_sentence(results)])):
-        begin = BEGIN.format(block)
-        if begin in text:
-            start = text.index(begin) + len(begin)
-            end = text.index(END, start)
-            text = text[:start] + "\n" + "\n".join(lines()) + "\n" + text[end:]
+    begin = BEGIN.format("summary")
+    if begin in text:
+        start = text.index(begin) + len(begin)
+        end = text.index(END, start)
+        text = text[:start] + "\n" + "\n".join(summary_lines(results)) + "\n" + text[end:]
     with open(path, "w") as f:
         f.write(text)
 
@@ -155,7 +140,7 @@ def main():
     if args.summary:
         return print("\n".join(summary_lines(args.results)))
     if args.render is not None:
-        for path in args.render or [os.path.join(REPO, "README.md"), os.path.join(REPO, "IMPLEMENTATION.md")]:
+        for path in args.render or [os.path.join(REPO, "IMPLEMENTATION.md")]:
             render_into(path, args.results)
             print(f"wrote the time_grid.py blocks of {path}")
         return
